@@ -1,0 +1,105 @@
+"""Ring attention over the zigzag layout: the baseline, equivalent to TransformerEngine's `cp_comm_type=p2p`.
+
+Forward: K, V travel the ring; each step's block result merges into the running (o, lse) by online softmax
+(this is also BurstAttention's forward, Alg. 1 of burst-attention.txt, which `burst.py` reuses).
+Backward: K, V travel the ring again, and the dK, dV accumulators of each K, V block travel with it one step
+behind, ending on their owner. The next step's send/recv is posted before the current block's compute so the
+two overlap on GPU.
+
+Bytes sent per rank and call (e = element size, n_kv = b * s_local * h_kv * d, acc = 4, or 8 for fp64):
+  forward  (P - 1) * 2 * n_kv * e                       (K, V)
+  backward (P - 1) * 2 * n_kv * (e + acc)               (K, V; dK, dV accumulated in fp32)
+"""
+from __future__ import annotations
+
+import torch
+
+from ..comm import CommStats, Ring
+from ..kernels.local_attn import acc_dtype, block_bwd, block_fwd
+from ..kernels.merge import merge_
+from ._zigzag import zigzag_pair
+
+
+def _forward(group, q, k, v, *, causal, scale, backend, stats=None):
+    """q [b, s, h, d], k, v [b, s, h_kv, d] (zigzag shards) -> (o [b, s, h, d] in q.dtype, lse [b, h, s] fp32)."""
+    ring = Ring(group, "forward", stats)
+    P, r, s = ring.world, ring.rank, q.shape[1]
+    o = lse = None
+    kv = (k, v)
+    for step in range(P):
+        # Post the next K, V transfer before this step's compute.
+        if step + 1 < P:
+            nxt = ring.send_recv(kv)
+        src = (r - step) % P                                    # owner of the K, V block in hand
+        qs, ks, mask = zigzag_pair(r, src, s, causal)
+        o_blk, lse_blk = block_fwd(q[:, qs], kv[0][:, ks], kv[1][:, ks], mask=mask, scale=scale, backend=backend)
+        if o is None:                                           # step 0: own block, all rows
+            o, lse = o_blk.to(acc_dtype(q.dtype)), lse_blk.clone()
+        else:                                                   # online-softmax merge (Alg. 1, lines 13-16)
+            merge_(o[:, qs], lse[:, :, qs], o_blk, lse_blk)
+        if step + 1 < P:
+            ring.wait()
+            kv = nxt
+    return o.to(q.dtype), lse
+
+
+def _backward(group, do, q, k, v, o, lse, *, causal, scale, backend, stats=None):
+    """Gradients (dq, dk, dv) in the input dtype, from the global o, lse of this rank's query rows."""
+    ring_kv, ring_dkv = Ring(group, "backward", stats), Ring(group, "backward", stats)
+    P, r, s = ring_kv.world, ring_kv.rank, q.shape[1]
+    acc = acc_dtype(q.dtype)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    kv = (k, v)
+    dkv_in = None                                               # travelling dK, dV of the block in hand
+    for step in range(P):
+        if step + 1 < P:
+            nxt = ring_kv.send_recv(kv)
+        src = (r - step) % P
+        qs, ks, mask = zigzag_pair(r, src, s, causal)
+        dq_b, dk_b, dv_b = block_bwd(do[:, qs], q[:, qs], kv[0][:, ks], kv[1][:, ks], o[:, qs], lse[:, :, qs],
+                                     mask=mask, scale=scale, backend=backend)
+        dq[:, qs].add_(dq_b)
+        if step == 0:
+            dk_own, dv_own = dk_b.to(acc), dv_b.to(acc)         # own block: kept here, added at the end
+        else:
+            # The accumulator of block src holds the contributions of ranks src+1 .. r-1 (none at step 1).
+            if dkv_in is None:
+                dk_acc = torch.zeros(k.shape, dtype=acc, device=k.device)
+                dv_acc = torch.zeros_like(dk_acc)
+            else:
+                ring_dkv.wait()
+                dk_acc, dv_acc = dkv_in
+            dk_acc[:, ks].add_(dk_b)
+            dv_acc[:, ks].add_(dv_b)
+            # Pass it on (rank r+1 holds block src next step); receive the accumulator of the next block.
+            dkv_in = ring_dkv.send_recv((dk_acc, dv_acc))
+        if step + 1 < P:
+            ring_kv.wait()
+            kv = nxt
+    if P > 1:                                                   # the last hop brought our own block's sum home
+        ring_dkv.wait()
+        dk_own += dkv_in[0]
+        dv_own += dkv_in[1]
+    return dq.to(q.dtype), dk_own.to(k.dtype), dv_own.to(v.dtype)
+
+
+class RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal, scale, backend, stats):
+        o, lse = _forward(group, q, k, v, causal=causal, scale=scale, backend=backend, stats=stats)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.args = (group, causal, scale, backend, stats)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        group, causal, scale, backend, stats = ctx.args
+        dq, dk, dv = _backward(group, do, q, k, v, o, lse, causal=causal, scale=scale, backend=backend, stats=stats)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def ring_attention(q, k, v, *, group, causal: bool = True, softmax_scale: float, backend: str | None = None,
+                   comm_stats: CommStats | None = None):
+    """Zigzag ring attention on validated shards: q [b, s, h, d], k, v [b, s, h_kv, d] -> [b, s, h, d]."""
+    return RingAttention.apply(q, k, v, group, causal, softmax_scale, backend, comm_stats)

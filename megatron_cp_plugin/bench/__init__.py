@@ -1,0 +1,1 @@
+"""Side-by-side benchmarks (run on GPUs; see README)."""

@@ -1,0 +1,325 @@
+"""Local block attention with fp32 lse: the one module that calls into kernel libraries.
+
+    block_fwd(q, k, v, mask=..., scale=...)                 -> (o [b, sq, h, d] in q.dtype, lse [b, h, sq] fp32)
+    block_bwd(do, q, k, v, o, lse, mask=..., scale=...)     -> (dq [b, sq, h, d], dk, dv [b, sk, h_kv, d])
+
+q [b, sq, h, d]; k, v [b, sk, h_kv, d] with h % h_kv == 0 (GQA: K, V are never expanded, every backend
+reads the grouped heads directly). `lse` in block_bwd is the *global* lse of the query rows, and `o` their
+global output (or `delta` = rowsum(dO * o) in its place), so the backward of any block can be recomputed
+after the forward's merge (FlashAttention-2's backward, applied per block).
+
+Masks: "none"; "causal" (key j visible to query i iff j <= i, needs sq == sk); "causal_strict" (j < i,
+needs sq == sk; row 0 sees no key: o = 0, lse = -inf, and its gradients are 0).
+
+Backends:
+  "cudnn"       torch.ops.aten._scaled_dot_product_cudnn_attention(+_backward); 603-616 TFLOP/s fwd on
+                H200 (DESIGN.md), the default on Hopper.
+  "flash"       torch.ops.aten._scaled_dot_product_flash_attention(+_backward): FA2 inside torch,
+                315-337 TFLOP/s; the default on other GPUs.
+  "flash_attn"  the flash-attn package when importable (FA2 API, version shims below).
+  "math"        chunked PyTorch on any device and dtype (fp32 accumulation, fp64 for fp64); memory bounded
+                by chunk_size x chunk_size scores per head. The CPU default; the reference for the others.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import warnings
+
+import torch
+
+from .merge import _finite, merge_
+
+MASKS = ("none", "causal", "causal_strict")
+BACKENDS = ("cudnn", "flash", "flash_attn", "math")
+MATH_CHUNK = 512
+
+
+# ----------------------------------------------------------------------------------------- selection
+@functools.lru_cache(maxsize=None)
+def _flash_attn_module():
+    try:
+        import flash_attn.flash_attn_interface as fai  # noqa: PLC0415 (optional extra)
+    except Exception:  # ImportError, or a build that does not match this torch
+        return None
+    return fai
+
+
+def _unsupported(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why `backend` cannot run this block, or None when it can."""
+    if backend == "math":
+        return None
+    if device.type != "cuda":
+        return f"needs a CUDA tensor, got device {device}"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"needs fp16 or bf16, got {dtype}"
+    if head_dim % 8 != 0:
+        return f"needs a head dim divisible by 8, got {head_dim}"
+    if backend == "cudnn":
+        if not torch.backends.cudnn.is_available():
+            return "cuDNN is not available in this torch build"
+        if head_dim > 128:
+            return f"supports head dim <= 128 (forward and backward), got {head_dim}"
+    elif head_dim > 256:
+        return f"supports head dim <= 256, got {head_dim}"
+    if backend == "flash_attn" and _flash_attn_module() is None:
+        return "flash-attn is not importable (pip install 'megatron-cp-plugin[flash]')"
+    return None
+
+
+def select_backend(device: torch.device, dtype: torch.dtype, head_dim: int, backend: str | None = None) -> str:
+    """The backend to use: `backend` when given (ValueError if it cannot run this), else by device and dtype:
+    cuDNN on Hopper and newer (fastest measured), flash-attn when importable, FA2-in-torch, then math."""
+    if backend is not None:
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+        why = _unsupported(backend, device, dtype, head_dim)
+        if why:
+            raise ValueError(f"backend={backend!r} cannot run this attention: it {why}")
+        return backend
+    order = ["math"]
+    if device.type == "cuda":
+        hopper = torch.cuda.get_device_capability(device)[0] >= 9
+        order = (["cudnn", "flash_attn", "flash"] if hopper else ["flash_attn", "flash", "cudnn"]) + order
+    for name in order:
+        if _unsupported(name, device, dtype, head_dim) is None:
+            if name == "math" and device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
+                warnings.warn(f"no fused attention kernel for head dim {head_dim}: using the slow math kernel",
+                              stacklevel=3)
+            return name
+    raise AssertionError("unreachable: math always runs")
+
+
+def _check(q, k, v, mask):
+    if mask not in MASKS:
+        raise ValueError(f"mask must be one of {MASKS}, got {mask!r}")
+    if mask != "none" and q.shape[1] != k.shape[1]:
+        raise ValueError(f"mask={mask!r} needs as many queries as keys, got sq={q.shape[1]}, sk={k.shape[1]}")
+    if q.shape[2] % k.shape[2] != 0 or k.shape != v.shape:
+        raise ValueError(f"bad block shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+
+
+# ----------------------------------------------------------------------------------------- public
+def block_fwd(q, k, v, *, mask: str = "none", scale: float | None = None, backend: str | None = None,
+              chunk_size: int = MATH_CHUNK):
+    """Attention of q over k, v with `mask`: (o [b, sq, h, d] in q.dtype, lse [b, h, sq] fp32; fp64 for fp64)."""
+    _check(q, k, v, mask)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    backend = select_backend(q.device, q.dtype, q.shape[-1], backend)
+    sq = q.shape[1]
+    if mask == "causal_strict":
+        # j < i on (q, k) is j <= i on (q[1:], k[:-1]); row 0 sees nothing.
+        o, lse = _empty_result(q)
+        if sq > 1:
+            o[:, 1:], lse[:, :, 1:] = _FWD[backend](q[:, 1:], k[:, :-1], v[:, :-1], True, scale, chunk_size)
+        return o, lse
+    if sq == 0 or k.shape[1] == 0:
+        return _empty_result(q)
+    return _FWD[backend](q, k, v, mask == "causal", scale, chunk_size)
+
+
+def block_bwd(do, q, k, v, o, lse, *, mask: str = "none", scale: float | None = None, backend: str | None = None,
+              delta: torch.Tensor | None = None, chunk_size: int = MATH_CHUNK):
+    """Gradients of one block from the global (o, lse) of its query rows.
+
+    do, o [b, sq, h, d]; lse [b, h, sq] fp32 (global); delta [b, h, sq] fp32 = rowsum(do * o) may replace o
+    (o=None), as BurstAttention circulates D instead of O. Returns (dq, dk, dv): fp32/fp64 from math, the
+    input dtype from the fused kernels (which accumulate in fp32 inside).
+    """
+    _check(q, k, v, mask)
+    if o is None and delta is None:
+        raise ValueError("block_bwd needs o or delta")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    backend = select_backend(q.device, q.dtype, q.shape[-1], backend)
+    if mask == "causal_strict":
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        if q.shape[1] > 1:
+            o1 = None if o is None else o[:, 1:]
+            d1 = None if delta is None else delta[:, :, 1:]
+            dq[:, 1:], dk[:, :-1], dv[:, :-1] = _BWD[backend](
+                do[:, 1:], q[:, 1:], k[:, :-1], v[:, :-1], o1, lse[:, :, 1:], d1, True, scale, chunk_size)
+        return dq, dk, dv
+    if q.shape[1] == 0 or k.shape[1] == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    return _BWD[backend](do, q, k, v, o, lse, delta, mask == "causal", scale, chunk_size)
+
+
+def attention_delta(do: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+    """D = rowsum(dO * O) in fp32 (fp64 for fp64): [b, s, h, d] x2 -> [b, h, s]."""
+    acc = acc_dtype(o.dtype)
+    return (do.to(acc) * o.to(acc)).sum(-1).transpose(1, 2).contiguous()
+
+
+# ----------------------------------------------------------------------------------------- math
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulator (and lse) dtype for inputs of `dtype`: fp64 for fp64, fp32 otherwise."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _empty_result(q):
+    """(o, lse) of rows that see no key: o = 0, lse = -inf."""
+    b, sq, h, _ = q.shape
+    return torch.zeros_like(q), torch.full((b, h, sq), float("-inf"), dtype=acc_dtype(q.dtype), device=q.device)
+
+
+def _scores(qc, kc, scale, causal, i0, j0):
+    """qc [b, cq, hk, g, d], kc [b, ck, hk, d] -> masked scores [b, hk, g, cq, ck]."""
+    s = torch.einsum("bqhgd,bkhd->bhgqk", qc, kc) * scale
+    if causal:
+        qi = torch.arange(i0, i0 + qc.shape[1], device=qc.device)
+        kj = torch.arange(j0, j0 + kc.shape[1], device=qc.device)
+        s = s.masked_fill(kj[None, :] > qi[:, None], float("-inf"))
+    return s
+
+
+def _math_fwd(q, k, v, causal, scale, chunk):
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    g, acc = h // hk, acc_dtype(q.dtype)
+    o = torch.zeros(b, sq, h, d, dtype=acc, device=q.device)
+    lse = torch.full((b, h, sq), float("-inf"), dtype=acc, device=q.device)
+    for i0 in range(0, sq, chunk):
+        i1 = min(i0 + chunk, sq)
+        qc = q[:, i0:i1].to(acc).reshape(b, i1 - i0, hk, g, d)
+        for j0 in range(0, min(sk, i1) if causal else sk, chunk):
+            j1 = min(j0 + chunk, sk)
+            s = _scores(qc, k[:, j0:j1].to(acc), scale, causal, i0, j0)
+            m = _finite(s.amax(-1, keepdim=True))
+            p = torch.exp(s - m)
+            l = p.sum(-1)                                                     # [b, hk, g, cq]
+            oc = torch.einsum("bhgqk,bkhd->bqhgd", p, v[:, j0:j1].to(acc))
+            oc = oc / l.clamp_min(torch.finfo(acc).tiny).permute(0, 3, 1, 2).unsqueeze(-1)
+            lc = (m.squeeze(-1) + torch.log(l)).reshape(b, h, i1 - i0)
+            merge_(o[:, i0:i1], lse[:, :, i0:i1], oc.reshape(b, i1 - i0, h, d), lc)
+    return o.to(q.dtype), lse
+
+
+def _math_bwd(do, q, k, v, o, lse, delta, causal, scale, chunk):
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    g, acc = h // hk, acc_dtype(q.dtype)
+    if delta is None:
+        delta = attention_delta(do, o)
+    # Rows that saw no key anywhere have lse = -inf and all scores -inf: +inf makes exp(s - lse) = 0.
+    lse_b = torch.where(torch.isinf(lse), torch.full_like(lse, float("inf")), lse).to(acc)
+    dq = torch.zeros(b, sq, hk, g, d, dtype=acc, device=q.device)
+    dk = torch.zeros(b, sk, hk, d, dtype=acc, device=q.device)
+    dv = torch.zeros(b, sk, hk, d, dtype=acc, device=q.device)
+    for i0 in range(0, sq, chunk):
+        i1 = min(i0 + chunk, sq)
+        qc = q[:, i0:i1].to(acc).reshape(b, i1 - i0, hk, g, d)
+        doc = do[:, i0:i1].to(acc).reshape(b, i1 - i0, hk, g, d)
+        lc = lse_b[:, :, i0:i1].reshape(b, hk, g, i1 - i0, 1)
+        dc = delta[:, :, i0:i1].to(acc).reshape(b, hk, g, i1 - i0, 1)
+        for j0 in range(0, min(sk, i1) if causal else sk, chunk):
+            j1 = min(j0 + chunk, sk)
+            kc, vc = k[:, j0:j1].to(acc), v[:, j0:j1].to(acc)
+            p = torch.exp(_scores(qc, kc, scale, causal, i0, j0) - lc)           # P = exp(S - lse)
+            dv[:, j0:j1] += torch.einsum("bhgqk,bqhgd->bkhd", p, doc)           # dV += P^T dO
+            dp = torch.einsum("bqhgd,bkhd->bhgqk", doc, vc)                     # dP = dO V^T
+            ds = p * (dp - dc) * scale                                          # dS = P o (dP - D)
+            dq[:, i0:i1] += torch.einsum("bhgqk,bkhd->bqhgd", ds, kc)           # dQ += dS K
+            dk[:, j0:j1] += torch.einsum("bhgqk,bqhgd->bkhd", ds, qc)           # dK += dS^T Q
+    return dq.reshape(b, sq, h, d), dk, dv
+
+
+# ----------------------------------------------------------------------------------------- fused
+def _bhsd(x):
+    return x.transpose(1, 2)
+
+
+def _surrogate_out(do: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """A tensor `out` with rowsum(do * out) == delta to ~2^-16 relative, for kernels that take O only to form D.
+
+    The fused backward kernels read `out` for nothing but D = rowsum(dO * O) (fp32 products of 16-bit
+    inputs, exact). Two nonzero entries per row, at the two largest |dO|, carry delta's high and low parts.
+    """
+    x = do.float()
+    a = x.abs()
+    dl = delta.transpose(1, 2).unsqueeze(-1).float()                      # [b, s, h, 1]
+    out = torch.zeros_like(do)
+    rest = dl
+    for _ in range(2):
+        idx = a.argmax(-1, keepdim=True)
+        xi = x.gather(-1, idx)
+        val = torch.where(xi == 0, torch.zeros_like(rest), rest / torch.where(xi == 0, torch.ones_like(xi), xi))
+        val = torch.nan_to_num(val, posinf=0.0, neginf=0.0).to(do.dtype)
+        out.scatter_(-1, idx, val)
+        rest = rest - xi * val.float()
+        a.scatter_(-1, idx, -1.0)
+    return out
+
+
+def _empty_philox(device):
+    return torch.empty((), dtype=torch.int64, device=device)
+
+
+def _cudnn_fwd(q, k, v, causal, scale, _chunk):
+    r = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        _bhsd(q), _bhsd(k), _bhsd(v), None, True, 0.0, causal, False, scale=scale)
+    return _bhsd(r[0]), r[1].reshape(q.shape[0], q.shape[2], q.shape[1])
+
+
+def _cudnn_bwd(do, q, k, v, o, lse, delta, causal, scale, _chunk):
+    if o is None:
+        o = _surrogate_out(do, delta)
+    ph = _empty_philox(q.device)
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        _bhsd(do), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(o), lse.contiguous().unsqueeze(-1), ph, ph, None,
+        None, None, q.shape[1], k.shape[1], 0.0, causal, scale=scale)
+    return _bhsd(dq), _bhsd(dk), _bhsd(dv)
+
+
+def _flash_fwd(q, k, v, causal, scale, _chunk):
+    r = torch.ops.aten._scaled_dot_product_flash_attention(_bhsd(q), _bhsd(k), _bhsd(v), 0.0, causal, False,
+                                                           scale=scale)
+    return _bhsd(r[0]), r[1]
+
+
+def _flash_bwd(do, q, k, v, o, lse, delta, causal, scale, _chunk):
+    if o is None:
+        o = _surrogate_out(do, delta)
+    # Dropout is 0, so the rng state is never read; FA2 wants a 2-element uint64 tensor all the same.
+    rng = torch.zeros(2, dtype=torch.uint64, device=q.device)
+    unused = torch.empty((), dtype=torch.uint64, device=q.device)
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        _bhsd(do), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(o), lse.contiguous(), None, None, q.shape[1], k.shape[1],
+        0.0, causal, rng, unused, scale=scale)
+    return _bhsd(dq), _bhsd(dk), _bhsd(dv)
+
+
+def _fa_kwargs(fn, causal, scale):
+    """Keyword arguments for flash-attn's private fwd/bwd across versions (2.5 took `window_size=(l, r)`,
+    2.6+ takes `window_size_left/right` and `softcap`)."""
+    names = inspect.signature(fn).parameters
+    kw = {"dropout_p": 0.0, "softmax_scale": scale, "causal": causal, "alibi_slopes": None}
+    if "window_size_left" in names:
+        kw.update(window_size_left=-1, window_size_right=-1)
+    elif "window_size" in names:
+        kw["window_size"] = (-1, -1)
+    if "softcap" in names:
+        kw["softcap"] = 0.0
+    return {n: val for n, val in kw.items() if n in names}
+
+
+def _fa_fwd(q, k, v, causal, scale, _chunk):
+    fn = _flash_attn_module()._flash_attn_forward
+    r = fn(q.contiguous(), k.contiguous(), v.contiguous(), return_softmax=False, **_fa_kwargs(fn, causal, scale))
+    return r[0], r[1]
+
+
+def _fa_bwd(do, q, k, v, o, lse, delta, causal, scale, _chunk):
+    if o is None:
+        o = _surrogate_out(do, delta)
+    fn = _flash_attn_module()._flash_attn_backward
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    kw = _fa_kwargs(fn, causal, scale)
+    if "deterministic" in inspect.signature(fn).parameters:
+        kw["deterministic"] = False
+    fn(do.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), o.contiguous(), lse.contiguous(),
+       dq, dk, dv, **kw)
+    return dq, dk, dv
+
+
+_FWD = {"cudnn": _cudnn_fwd, "flash": _flash_fwd, "flash_attn": _fa_fwd, "math": _math_fwd}
+_BWD = {"cudnn": _cudnn_bwd, "flash": _flash_bwd, "flash_attn": _fa_bwd, "math": _math_bwd}

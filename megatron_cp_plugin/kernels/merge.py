@@ -1,0 +1,31 @@
+"""The (o, lse) merge: the one place partial attention results are combined.
+
+A partial over a subset of keys is (o, lse): o normalised over that subset, lse its natural-log
+log-sum-exp. Two partials merge exactly:
+    lse = logaddexp(lse1, lse2),  o = o1 * exp(lse1 - lse) + o2 * exp(lse2 - lse).
+Accumulate in fp32 (or fp64): bf16 accumulation across ring steps loses about 2^-9 per step.
+A row that saw no key has lse = -inf and o = 0; the merge keeps it finite.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """lse with -inf replaced by 0, so that `x - lse` never forms -inf - (-inf)."""
+    return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+
+
+def merge_(o: torch.Tensor, lse: torch.Tensor, o_blk: torch.Tensor, lse_blk: torch.Tensor) -> None:
+    """In place: (o, lse) <- merge((o, lse), (o_blk, lse_blk)).
+
+    o [b, s, h, d] fp32/fp64 accumulator (a view is fine); lse [b, h, s] same dtype family;
+    o_blk [b, s, h, d] any float dtype; lse_blk [b, h, s] fp32.
+    """
+    lse_new = torch.logaddexp(lse, lse_blk.to(lse.dtype))
+    ref = _finite(lse_new)
+    w_old = torch.exp(lse - ref).transpose(1, 2).unsqueeze(-1)      # [b, s, h, 1]
+    w_blk = torch.exp(lse_blk.to(lse.dtype) - ref).transpose(1, 2).unsqueeze(-1)
+    o.mul_(w_old).add_(o_blk.to(o.dtype) * w_blk)
+    lse.copy_(lse_new)
+

@@ -1,0 +1,90 @@
+"""A pool of processes that share one gloo process group, started once per test module.
+
+`pool.run(fn, *args)` calls `fn(rank, world_size, *args)` on every rank (fn must be a module-level function)
+and returns the per-rank results; an exception on any rank fails the call with that rank's traceback, and a
+rank that does not answer within `timeout` seconds (a hang) fails it too.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import traceback
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, tasks, results):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    while True:
+        item = tasks.get()
+        if item is None:
+            break
+        fn, args = item
+        try:
+            results.put((rank, True, fn(rank, world, *args)))
+        except BaseException as e:  # noqa: BLE001 - reported to the parent
+            results.put((rank, False, (type(e).__name__, str(e), traceback.format_exc())))
+    dist.destroy_process_group()
+
+
+class RankError(Exception):
+    def __init__(self, failures):
+        self.failures = failures  # {rank: (type name, message, traceback)}
+        first = next(iter(failures.values()))
+        super().__init__(f"ranks {sorted(failures)} failed; first traceback:\n{first[2]}")
+
+
+class DistPool:
+    def __init__(self, world_size: int):
+        ctx = mp.get_context("spawn")
+        self.world = world_size
+        port = _free_port()
+        self.tasks = [ctx.Queue() for _ in range(world_size)]
+        self.results = ctx.Queue()
+        self.procs = [ctx.Process(target=_worker, args=(r, world_size, port, self.tasks[r], self.results), daemon=True)
+                      for r in range(world_size)]
+        for p in self.procs:
+            p.start()
+
+    def run_outcomes(self, fn, *args, timeout: float = 300):
+        """{rank: (ok, value)}, where value is the result or (exception type name, message, traceback)."""
+        for t in self.tasks:
+            t.put((fn, args))
+        out = {}
+        try:
+            while len(out) < self.world:
+                rank, ok, val = self.results.get(timeout=timeout)
+                out[rank] = (ok, val)
+        except queue.Empty:
+            self.close(kill=True)
+            raise TimeoutError(f"ranks {sorted(set(range(self.world)) - set(out))} did not answer in {timeout} s "
+                               f"(a hang); the pool was killed") from None
+        return out
+
+    def run(self, fn, *args, timeout: float = 300):
+        """[result of rank 0, ..., result of rank P-1]; RankError if any rank raised."""
+        out = self.run_outcomes(fn, *args, timeout=timeout)
+        failures = {r: v for r, (ok, v) in out.items() if not ok}
+        if failures:
+            raise RankError(failures)
+        return [out[r][1] for r in range(self.world)]
+
+    def close(self, kill: bool = False):
+        for p, t in zip(self.procs, self.tasks):
+            if not kill and p.is_alive():
+                t.put(None)
+        for p in self.procs:
+            p.join(timeout=0 if kill else 30)
+            if p.is_alive():
+                p.kill()

@@ -1,0 +1,198 @@
+"""ring and burst against an fp64 reference of the unsharded problem, on gloo with P = 1..4 processes."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import megatron_cp_plugin as mcp
+from megatron_cp_plugin.kernels.local_attn import block_bwd, block_fwd
+from megatron_cp_plugin.kernels.reference import attention_reference
+
+from .dist_pool import DistPool
+
+WORLD_SIZES = (1, 2, 3, 4)
+HEADS = ((4, 4), (8, 2))          # MHA and GQA with h / h_kv = 4
+HEAD_DIMS = (16, 24)
+BATCH = 2
+
+
+@pytest.fixture(scope="module")
+def pools():
+    made = {}
+
+    def get(p):
+        if p not in made:
+            made[p] = DistPool(p)
+        return made[p]
+
+    yield get
+    for pool in made.values():
+        pool.close()
+
+
+def _inputs(seed, seq, h, hk, d, dtype):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, do = (torch.randn(BATCH, seq, n, d, generator=g).to(dtype) for n in (h, hk, hk, h))
+    return q, k, v, do
+
+
+def _rel(x, ref):
+    """Max-norm relative error (fp32 checks)."""
+    return ((x.double() - ref).abs().max() / ref.abs().max()).item()
+
+
+def _rel_l2(x, ref):
+    """Frobenius-norm relative error (bf16 checks: the max over a few hundred bf16 roundings is too noisy
+    to compare two runs by, and a partial rounded to bf16 before the fp32 merge adds ~sqrt(2) in norm)."""
+    return (torch.linalg.vector_norm(x.double() - ref) / torch.linalg.vector_norm(ref)).item()
+
+
+def _case(rank, world, algo, dtype, causal, h, hk, d, seed):
+    seq = 2 * world * 5                               # odd chunks of 5 tokens
+    q, k, v, do = _inputs(seed, seq, h, hk, d, dtype)
+    mask = "causal" if causal else "none"
+    # fp64 reference of the unsharded problem.
+    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
+    o_ref, _ = attention_reference(qr, kr, vr, mask=mask)
+    grads_ref = torch.autograd.grad(o_ref, (qr, kr, vr), do.double())
+    # Context-parallel run on this rank's shards.
+    shard = lambda t: mcp.shard_sequence(t, algo=algo).detach()  # noqa: E731
+    ql, kl, vl = (shard(t).requires_grad_() for t in (q, k, v))
+    o = mcp.context_parallel_attention(ql, kl, vl, algo=algo, causal=causal)
+    o.backward(shard(do))
+    got = {"o": o, "dq": ql.grad, "dk": kl.grad, "dv": vl.grad}
+    ref = dict(zip(got, (shard(t) for t in (o_ref.detach(),) + grads_ref)))
+    if dtype == torch.float32:
+        tol = {n: 1e-5 for n in got}
+    else:
+        # bf16: at most twice the error of the same kernel run on one device over the whole sequence.
+        o1, lse1 = block_fwd(q, k, v, mask=mask)
+        single = dict(zip(got, (o1.to(dtype),) + tuple(g.to(dtype) for g in block_bwd(do, q, k, v, o1, lse1, mask=mask))))
+        tol = {n: 2 * _rel_l2(shard(single[n]), ref[n]) for n in got}
+    metric = _rel if dtype == torch.float32 else _rel_l2
+    bad = []
+    for n in got:
+        err = metric(got[n], ref[n])
+        if got[n].dtype != dtype or got[n].shape != ref[n].shape or not err <= tol[n]:
+            bad.append(f"{algo} P={world} rank {rank} {dtype} causal={causal} h={h}/{hk} d={d}: {n} rel err "
+                       f"{err:.3g} > {tol[n]:.3g}")
+    return bad
+
+
+def _cases(rank, world, algo, dtype):
+    """Runs every case (a rank that stopped early would leave the others waiting), then reports failures."""
+    bad = []
+    for i, (causal, (h, hk), d) in enumerate(itertools.product((True, False), HEADS, HEAD_DIMS)):
+        bad += _case(rank, world, algo, dtype, causal, h, hk, d, seed=1000 * world + i)
+    assert not bad, "\n".join(bad)
+    return True
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("algo", ["ring", "burst"])
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_matches_fp64_reference(pools, world, algo, dtype):
+    assert all(pools(world).run(_cases, algo, dtype, timeout=120))
+
+
+# ------------------------------------------------------------------------------------------- bytes
+def _bytes(rank, world, algo, dtype, h, hk):
+    b, s, d = BATCH, 2 * world * 3, 8
+    q, k, v, do = _inputs(7, s, h, hk, d, dtype)
+    stats = mcp.CommStats()
+    shard = lambda t: mcp.shard_sequence(t, algo=algo).detach()  # noqa: E731
+    ql, kl, vl = (shard(t).requires_grad_() for t in (q, k, v))
+    mcp.context_parallel_attention(ql, kl, vl, algo=algo, comm_stats=stats).backward(shard(do))
+    return stats.forward_bytes, stats.backward_bytes
+
+
+@pytest.mark.parametrize("algo", ["ring", "burst"])
+@pytest.mark.parametrize("world", (1, 3, 4))
+def test_byte_counters_equal_formulas(pools, world, algo):
+    for dtype, (h, hk) in itertools.product((torch.float32, torch.bfloat16), HEADS):
+        e, acc, b, s_l, d = torch.tensor([], dtype=dtype).element_size(), 4, BATCH, 2 * 3, 8
+        n_q, n_kv = b * s_l * h * d, b * s_l * hk * d
+        fwd = (world - 1) * 2 * n_kv * e
+        bwd = {"ring": (world - 1) * 2 * n_kv * (e + acc),
+               "burst": (world - 1) * (n_q * (2 * e + acc) + 2 * b * h * s_l * acc)}[algo]
+        assert pools(world).run(_bytes, algo, dtype, h, hk) == [(fwd, bwd)] * world, (dtype, h, hk)
+
+
+def test_burst_backward_sends_three_quarters_of_ring_for_mha(pools):
+    ring = pools(4).run(_bytes, "ring", torch.float32, 4, 4)[0]
+    burst = pools(4).run(_bytes, "burst", torch.float32, 4, 4)[0]
+    assert ring[0] == burst[0]
+    small = 3 * 2 * BATCH * 4 * 6 * 4                 # D and lse: (P-1) * 2 * b * h * s_local * 4 bytes
+    assert burst[1] - small == 3 * ring[1] // 4
+
+
+# ------------------------------------------------------------------------------------------- sharding
+def _sharding(rank, world, algo):
+    seq = 2 * world * 3
+    x = torch.arange(2 * seq * 5, dtype=torch.float32).reshape(2, seq, 5)
+    local = mcp.shard_sequence(x, algo=algo)
+    pos = mcp.sequence_positions(seq, algo=algo, rank=rank, world_size=world)
+    assert torch.equal(local, x[:, pos]) and torch.equal(mcp.shard_sequence(torch.arange(seq), algo=algo, dim=0), pos)
+    assert torch.equal(mcp.unshard_sequence(local, algo=algo), x)
+    xs = x.transpose(0, 1).contiguous()               # Megatron's [s, b, ...] with dim=0
+    assert torch.equal(mcp.unshard_sequence(mcp.shard_sequence(xs, algo=algo, dim=0), algo=algo, dim=0), xs)
+    return pos.tolist()
+
+
+@pytest.mark.parametrize("algo", ["ring", "burst"])
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_shard_unshard_round_trip(pools, world, algo):
+    positions = pools(world).run(_sharding, algo)
+    assert sorted(sum(positions, [])) == list(range(2 * world * 3))
+    if world == 2:                                    # chunks of 3: rank 0 holds 0 and 3, rank 1 holds 1 and 2
+        assert positions == [[0, 1, 2, 9, 10, 11], [3, 4, 5, 6, 7, 8]]
+
+
+# ------------------------------------------------------------------------------------------- bad input
+def _bad(rank, world, case):
+    q = torch.randn(1, 4, 4, 8)
+    k = v = torch.randn(1, 4, 2, 8)
+    kw = {"algo": "ring"}
+    if case == "odd_seq":
+        q, k, v = q[:, :3], k[:, :3], v[:, :3]
+    elif case == "heads":
+        k = v = torch.randn(1, 4, 3, 8)
+    elif case == "shape":
+        k = v = torch.randn(1, 6, 2, 8)
+    elif case == "kv_shape":
+        v = torch.randn(1, 4, 2, 16)
+    elif case == "dtype":
+        k = k.double()
+    elif case == "device":
+        k = k.to("meta")
+    elif case == "algo":
+        kw["algo"] = "nope"
+    elif case == "group":
+        kw["group"] = dist.new_group(ranks=[0])       # every rank must create it; ranks > 0 are not members
+        if rank == 0:
+            return "member"
+    elif case == "backend":
+        kw["backend"] = "cudnn"
+    elif case == "shard_len":
+        return mcp.shard_sequence(torch.randn(1, 2 * world + 1, 2), algo="burst")
+    mcp.context_parallel_attention(q, k, v, **kw)
+    return "no error"
+
+
+@pytest.mark.parametrize("case,needle", [
+    ("odd_seq", "q:"), ("heads", "heads"), ("shape", "k, v"), ("kv_shape", "k and v"), ("dtype", "dtype"),
+    ("device", "device"), ("algo", "algo"), ("group", "group"), ("backend", "backend"), ("shard_len", "x.shape[1]"),
+])
+def test_bad_input_raises_on_every_rank_without_hanging(pools, case, needle):
+    pool = pools(3)
+    out = pool.run_outcomes(_bad, case, timeout=60)
+    for rank, (ok, val) in out.items():
+        if case == "group" and rank == 0:
+            assert ok and val == "member"
+            continue
+        assert not ok, f"rank {rank}: no error for {case}"
+        assert val[0] == "ValueError" and needle in val[1], val
+    assert pool.run(_sharding, "ring")                # the group still works: nobody is stuck in a collective
