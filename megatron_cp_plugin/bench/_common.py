@@ -1,0 +1,69 @@
+"""Shared benchmark plumbing: process-group set-up under torchrun, CUDA-event timing, attention FLOPs, reports."""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+
+import torch
+import torch.distributed as dist
+
+
+def init_distributed():
+    """Under torchrun: NCCL on GPUs (one per local rank), gloo on CPU. Returns (rank, world, device)."""
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29511")
+    if torch.cuda.is_available():
+        dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(dev)
+        dist.init_process_group("nccl", device_id=dev)
+    else:
+        dev = torch.device("cpu")
+        dist.init_process_group("gloo")
+    return dist.get_rank(), dist.get_world_size(), dev
+
+
+def time_ms(fn, *, warmup: int = 3, iters: int = 10) -> float:
+    """Median wall time of fn() in ms: CUDA events around each call after `warmup` calls (perf_counter on CPU)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        if torch.cuda.is_available():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            import time
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+FLOP_FORMULA = ("fwd FLOP = 4 * b * h * S^2 * d * (1/2 if causal); fwd+bwd = 3.5 x fwd "
+                "(backward recomputes QK^T and does 4 more matmuls of that size)")
+
+
+def attention_flop(b: int, s: int, h: int, d: int, causal: bool, backward: bool) -> float:
+    f = 4.0 * b * h * s * s * d * (0.5 if causal else 1.0)
+    return f * 3.5 if backward else f
+
+
+def write_report(rows: list[dict], path_stem: str, header: str) -> str:
+    """Write rows as JSON and a markdown table (path_stem.json, path_stem.md); return the markdown."""
+    os.makedirs(os.path.dirname(path_stem) or ".", exist_ok=True)
+    cols = list(rows[0]) if rows else []
+    md = [header, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        md.append("| " + " | ".join(f"{v:.3g}" if isinstance(v, float) else str(v) for v in r.values()) + " |")
+    text = "\n".join(md) + "\n"
+    with open(path_stem + ".json", "w") as f:
+        json.dump({"header": header, "command": " ".join(sys.argv), "rows": rows}, f, indent=1)
+    with open(path_stem + ".md", "w") as f:
+        f.write(text)
+    return text
