@@ -9,14 +9,9 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
-import socket
 import traceback
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from megatron_cp_plugin.bench._common import free_port
 
 
 def _worker(rank, world, port, tasks, results):
@@ -49,7 +44,7 @@ class DistPool:
     def __init__(self, world_size: int):
         ctx = mp.get_context("spawn")
         self.world = world_size
-        port = _free_port()
+        port = free_port()
         self.tasks = [ctx.Queue() for _ in range(world_size)]
         self.results = ctx.Queue()
         self.procs = [ctx.Process(target=_worker, args=(r, world_size, port, self.tasks[r], self.results), daemon=True)

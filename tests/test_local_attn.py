@@ -117,13 +117,14 @@ def test_math_bf16_close_to_reference(mask, sq, sk, h, hk, chunk):
 
 
 # ------------------------------------------------------------------------------------------- 2. delta in place of o
-@pytest.mark.parametrize("chunk", (1, 8, 512))
+DTYPE_CHUNKS = [(torch.float64, 1), (torch.float64, 8), (torch.float64, 512), (torch.float32, 8),
+                (torch.float32, 512), (torch.bfloat16, 8), (torch.bfloat16, 512)]
+
+
 @pytest.mark.parametrize("h,hk", HEADS, ids=["mha", "gqa"])
 @pytest.mark.parametrize("mask,sq,sk", SHAPES, ids=[f"{m}-{a}x{b}" for m, a, b in SHAPES])
-@pytest.mark.parametrize("dtype", (torch.float64, torch.float32, torch.bfloat16), ids=["fp64", "fp32", "bf16"])
-def test_bwd_with_delta_equals_bwd_with_o(dtype, mask, sq, sk, h, hk, chunk):
-    if chunk == 1 and dtype != torch.float64:
-        pytest.skip("chunk 1 once is enough")
+@pytest.mark.parametrize("dtype,chunk", DTYPE_CHUNKS, ids=[f"{str(t)[6:]}-c{c}" for t, c in DTYPE_CHUNKS])
+def test_bwd_with_delta_equals_bwd_with_o(dtype, chunk, mask, sq, sk, h, hk):
     q, k, v, do = _inputs(5, sq, sk, h, hk, 16, dtype)
     o, lse = block_fwd(q, k, v, mask=mask, chunk_size=chunk)
     delta = attention_delta(do, o)

@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Set up on a fresh machine, then run the whole test suite (GPU tests skip, with a message, without GPUs).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+exec "${PYTHON:-python3}" -m pytest -q --timeout 900 tests "$@"
