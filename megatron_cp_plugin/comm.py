@@ -26,7 +26,10 @@ class CommStats:
 
 
 def resolve_group(group):
-    """`group` or the default group; ValueError (raised before any collective) when this rank is not in it."""
+    """`group` (or a CPGrid's group) or the default group; ValueError (raised before any collective) when
+    this rank is not in it."""
+    if isinstance(group, CPGrid):
+        group = group.group
     if not dist.is_initialized():
         raise ValueError("group: torch.distributed is not initialised (call init_process_group first)")
     group = dist.group.WORLD if group is None else group
@@ -64,3 +67,138 @@ class Ring:
         for w in self._works:
             w.wait()
         self._works = []
+
+
+# ----------------------------------------------------------------------------------------------- CP grid
+def grid_bytes(rows: int, cols: int, *, b: int, s_local: int, h: int, h_kv: int, d: int, elem: int = 2,
+               permute: bool = True) -> int:
+    """Bytes one rank sends in an Attention2D forward + backward on a rows x cols grid (ring collectives:
+    an all-gather or reduce-scatter among g ranks sends (g - 1) chunks). Used to pick the grid."""
+    n_q, n_kv, n_r = b * s_local * h * d, b * s_local * h_kv * d, b * h * s_local
+    perm = 2 * 2 * n_kv * elem if permute else 0
+    fwd = (cols - 1) * (n_q * elem + (n_q + n_r) * 4) + (rows - 1) * 2 * n_kv * elem
+    bwd = (cols - 1) * (2 * n_q * elem + 2 * n_r * 4 + n_q * 4) + (rows - 1) * 2 * n_kv * (elem + 4)
+    return perm + fwd + bwd
+
+
+def choose_grid(world: int, *, h: int = 1, h_kv: int = 1) -> tuple[int, int]:
+    """(rows, cols) for `world` ranks: the square when world is a perfect square, else the factorisation that
+    minimises per-rank bytes for the heads (K, V are h / h_kv times smaller than Q, so GQA favours more rows)."""
+    r = int(round(world ** 0.5))
+    if r * r == world:
+        return r, r
+    cands = [(x, world // x) for x in range(1, world + 1) if world % x == 0]
+    return min(cands, key=lambda rc: (grid_bytes(*rc, b=1, s_local=1, h=h, h_kv=h_kv, d=1), rc[0]))
+
+
+class CPGrid:
+    """P = rows x cols ranks of a context-parallel group seen as a grid (Attention2D).
+
+    Group rank p sits at grid position (i, j): column-major (i = p % rows, j = p // rows), as in the paper, or,
+    when `gpus_per_node` is given and cols divides it, row-major (i = p // cols, j = p % cols), so that every
+    grid row (the Q gathers and the partial reduce-scatter, the bulk of the traffic) stays inside one node.
+    Tokens are cyclic over group ranks in both cases (token t on group rank t mod P).
+    `row` and `col` are process groups over the rank's grid row and column, created with local
+    synchronisation, so only their members take part; every rank of `group` must build its grid.
+    """
+
+    def __init__(self, group, rows: int, cols: int, gpus_per_node: int | None = None):
+        world = dist.get_world_size(group)
+        if rows < 1 or cols < 1 or rows * cols != world:
+            raise ValueError(f"grid: rows x cols = {rows} x {cols} must equal the group size {world}")
+        if gpus_per_node is not None and gpus_per_node < 1:
+            raise ValueError(f"gpus_per_node must be a positive integer, got {gpus_per_node}")
+        self.group, self.rows, self.cols, self.world = group, rows, cols, world
+        self.row_major = gpus_per_node is not None and gpus_per_node % cols == 0
+        self.rank = dist.get_rank(group)
+        self.i, self.j = self.position(self.rank)
+        glob = lambda p: dist.get_global_rank(group, p)  # noqa: E731
+        self.row_ranks = [self.at(self.i, c) for c in range(cols)]     # group ranks, in column order
+        self.col_ranks = [self.at(r, self.j) for r in range(rows)]     # group ranks, in row order
+        self.row = dist.new_group([glob(p) for p in self.row_ranks], use_local_synchronization=True,
+                                  sort_ranks=False) if cols > 1 else None
+        self.col = dist.new_group([glob(p) for p in self.col_ranks], use_local_synchronization=True,
+                                  sort_ranks=False) if rows > 1 else None
+
+    def position(self, p: int) -> tuple[int, int]:
+        return (p // self.cols, p % self.cols) if self.row_major else (p % self.rows, p // self.rows)
+
+    def at(self, i: int, j: int) -> int:
+        """The group rank at grid position (i, j)."""
+        return i * self.cols + j if self.row_major else i + j * self.rows
+
+    def kv_owner(self, i: int, j: int) -> int:
+        """Residue (mod P) of the K, V tokens that position (i, j) holds after the column-major -> row-major
+        permutation (Alg. 1, line 2): i * cols + j, so a grid column's K, V are the tokens = j (mod cols)."""
+        return i * self.cols + j
+
+
+# ----------------------------------------------------------------------------------------------- collectives
+# Byte counts are what one rank sends under ring algorithms (what NCCL uses at these sizes): an all-gather or
+# a reduce-scatter among g ranks sends (g - 1) chunks, an all-reduce 2 (g - 1) / g of the buffer.
+# torch 2.13 renamed the tensor collectives (*_single); 2.11 (the GPU image) has only the old names.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _count(stats, phase, nbytes):
+    if stats is not None:
+        stats.add(phase, int(nbytes))
+
+
+def all_gather(group, x: torch.Tensor, stats=None, phase="forward") -> torch.Tensor:
+    """[g, *x.shape]: every member's x, in group-rank order (x itself when group is None)."""
+    if group is None:
+        return x.unsqueeze(0)
+    g = dist.get_world_size(group)
+    out = torch.empty((g,) + tuple(x.shape), dtype=x.dtype, device=x.device)
+    _ALL_GATHER(out.view(-1), x.contiguous().view(-1), group=group)   # 1-D: gloo wants that
+    _count(stats, phase, (g - 1) * x.numel() * x.element_size())
+    return out
+
+
+def reduce_scatter(group, x: torch.Tensor, stats=None, phase="forward") -> torch.Tensor:
+    """Sum over members of x [g, ...] and keep chunk `rank`: [...] (x[0] when group is None)."""
+    if group is None:
+        return x[0]
+    g = dist.get_world_size(group)
+    out = torch.empty(x.shape[1:], dtype=x.dtype, device=x.device)
+    _REDUCE_SCATTER(out.view(-1), x.contiguous().view(-1), group=group)
+    _count(stats, phase, (g - 1) * out.numel() * out.element_size())
+    return out
+
+
+def all_reduce_max_(group, x: torch.Tensor, stats=None, phase="forward") -> torch.Tensor:
+    if group is not None:
+        g = dist.get_world_size(group)
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
+        _count(stats, phase, 2 * (g - 1) * x.numel() * x.element_size() // g)
+    return x
+
+
+def permute(group, x: torch.Tensor, send_to: int, recv_from: int, stats=None, phase="forward") -> torch.Tensor:
+    """One step of a permutation of the members' x: send x to group rank `send_to`, return the x of
+    `recv_from`. An all-to-all with one nonzero split per rank, so every member takes part (NCCL wants that
+    from the first operation on a group); a rank that keeps its own x sends nothing."""
+    g, me = dist.get_world_size(group), dist.get_rank(group)
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    split_in = [x.shape[0] if r == send_to else 0 for r in range(g)]
+    split_out = [x.shape[0] if r == recv_from else 0 for r in range(g)]
+    dist.all_to_all_single(out, x, split_out, split_in, group=group)
+    if send_to != me:
+        _count(stats, phase, x.numel() * x.element_size())
+    return out
+
+
+_DEFAULT_GRIDS: dict = {}
+
+
+def default_grid(group, h: int, h_kv: int) -> CPGrid:
+    """The grid Attention2D uses when given a plain process group: `choose_grid` for its size and heads,
+    built once per (group, shape) and reused (building one creates its row and column groups)."""
+    rows, cols = choose_grid(dist.get_world_size(group), h=h, h_kv=h_kv)
+    key = (group, rows, cols)
+    if key not in _DEFAULT_GRIDS:
+        _DEFAULT_GRIDS[key] = CPGrid(group, rows, cols)
+    return _DEFAULT_GRIDS[key]

@@ -4,6 +4,7 @@ Layouts:
   zigzag (ring, burst; Megatron's own): the sequence is cut into 2P chunks and rank r holds chunks r and
          2P-1-r, in that order, so every rank does the same causal work. Megatron's
          `get_batch_on_this_cp_rank` and RoPE slicer assume exactly this.
+  cyclic (attention2d-*): token t lives on rank t mod P (rank = rank in the CP group), in token order.
 """
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ def sequence_positions(seq_len: int, *, algo: str, rank: int, world_size: int) -
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
     _check_len(seq_len, layout, world_size, "seq_len")
+    if layout == "cyclic":
+        return torch.arange(rank, seq_len, world_size)
     c = seq_len // (2 * world_size)
     first = torch.arange(rank * c, (rank + 1) * c)
     return torch.cat([first, first + (2 * world_size - 1 - 2 * rank) * c])

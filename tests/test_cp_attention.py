@@ -1,4 +1,4 @@
-"""ring and burst against an fp64 reference of the unsharded problem, on gloo with P = 1..4 processes."""
+"""Every algorithm against an fp64 reference of the unsharded problem, on gloo with P = 1..9 processes."""
 from __future__ import annotations
 
 import itertools
@@ -14,6 +14,7 @@ from megatron_cp_plugin.kernels.reference import attention_reference
 from .dist_pool import DistPool
 
 WORLD_SIZES = (1, 2, 3, 4)
+GRID_WORLD_SIZES = (1, 2, 3, 4, 6, 8, 9)       # Attention2D: square and rectangular grids
 HEADS = ((4, 4), (8, 2))          # MHA and GQA with h / h_kv = 4
 HEAD_DIMS = (16, 24)
 BATCH = 2
@@ -91,9 +92,12 @@ def _cases(rank, world, algo, dtype):
     return True
 
 
+CASES = [(w, a) for a in ("ring", "burst") for w in WORLD_SIZES] + [
+    (w, a) for a in mcp.ALGORITHMS if a.startswith("attention2d") for w in GRID_WORLD_SIZES]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("algo", ["ring", "burst"])
-@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("world,algo", CASES)
 def test_matches_fp64_reference(pools, world, algo, dtype):
     assert all(pools(world).run(_cases, algo, dtype, timeout=120))
 

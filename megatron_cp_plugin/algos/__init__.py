@@ -4,18 +4,19 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..comm import CommStats, resolve_group
+from ..comm import CommStats, CPGrid, default_grid, resolve_group
 from ..kernels.local_attn import select_backend
+from .attention2d import attention2d_no
 from .burst import burst_attention
 from .ring import ring_attention
 
-_IMPLS = {"ring": ring_attention, "burst": burst_attention}
-_LAYOUTS = {"ring": "zigzag", "burst": "zigzag"}
+_IMPLS = {"ring": ring_attention, "burst": burst_attention, "attention2d-no": attention2d_no}
+_LAYOUTS = {"ring": "zigzag", "burst": "zigzag", "attention2d-no": "cyclic"}
 ALGORITHMS = tuple(_IMPLS)
 
 
 def layout_of(algo: str) -> str:
-    """The sequence layout of `algo` ("zigzag"); ValueError for an unknown algo."""
+    """The sequence layout of `algo` ("zigzag" or "cyclic"); ValueError for an unknown algo."""
     if algo not in _LAYOUTS:
         raise ValueError(f"algo must be one of {ALGORITHMS}, got {algo!r}")
     return _LAYOUTS[algo]
@@ -44,12 +45,15 @@ def _check_inputs(q, k, v, algo, group, softmax_scale, backend):
         raise ValueError(f"q heads ({h}) must be divisible by k, v heads ({k.shape[2]}) (grouped-query attention)")
     if softmax_scale is not None and not softmax_scale > 0:
         raise ValueError(f"softmax_scale must be positive or None, got {softmax_scale}")
+    grid = group if isinstance(group, CPGrid) else None
     group = resolve_group(group)
     world = dist.get_world_size(group)
     if layout == "zigzag" and s % 2 != 0:
         raise ValueError(f"q: the local sequence length {s} must be even: the full sequence (P * s = {world * s}) "
                          f"must be divisible by 2P = {2 * world} for the zigzag layout of algo={algo!r}")
     select_backend(q.device, q.dtype, d, backend)
+    if layout == "cyclic":
+        return grid or default_grid(group, h, k.shape[2])
     return group
 
 
@@ -59,7 +63,8 @@ def context_parallel_attention(q, k, v, *, algo: str, group=None, causal: bool =
     """Exact attention over a sequence sharded across `group`, differentiable.
 
     q [b, s_local, h, d]; k, v [b, s_local, h_kv, d] (h % h_kv == 0): this rank's shard in the layout of
-    `algo` (see `shard_sequence`). Returns [b, s_local, h, d]. `softmax_scale=None` means d ** -0.5;
+    `algo` (see `shard_sequence`). Returns [b, s_local, h, d]. `group` may be a `CPGrid` (Attention2D's grid
+    over a group; the other algorithms use its group); for Attention2D a plain group gets `choose_grid`'s. `softmax_scale=None` means d ** -0.5;
     `backend` picks the local kernel (kernels.local_attn.BACKENDS, default by device and dtype);
     `comm_stats` (a CommStats) accumulates the bytes this rank sends, forward and backward.
     """

@@ -1,0 +1,146 @@
+"""Attention2D (attention2d.txt): attention parallel over both the query and the key/value dimension.
+
+P ranks form an R x C grid (`comm.CPGrid`); tokens are cyclic (token t on group rank t mod P), so rank p
+holds the `s` tokens p, p + P, p + 2P, ... of q, k, v.
+
+Attention2D-NO forward (Alg. 1):
+  line 2  K, V move from column-major to row-major ownership (one permutation): position (i, j) then holds
+          the K, V tokens = i*C + j (mod P), so grid column j holds the tokens = j (mod C);
+  line 3  Q is all-gathered in the grid row (C chunks), line 4 K, V in the grid column (R chunks);
+  line 5  the local partial (o, lse) of the row's queries over the column's keys, with a flash kernel;
+  line 6  partials are reduce-scattered in the row back to their cyclic owners with AttnFix (Alg. 2): an
+          all-reduce max of lse in the row, rescale, then one sum reduce-scatter of (o * w, w) packed;
+  line 7  o = numerator / denominator, lse = max + log(denominator).
+Attention2D-NO backward (Alg. 3): D = rowsum(dO o O) is formed by the owner and gathered in its place (O is
+never gathered), Q, dO, D, lse in rows and K, V in columns; the local block backward from the global (o, lse);
+dQ reduce-scattered in rows, dK, dV in columns (fp32), then moved back to column-major (line 9).
+
+Causal masks without an S x S mask: a gathered Q chunk holds tokens a + mP (a = a member's group rank), a
+K, V chunk tokens c + nP; key c + nP is visible to query a + mP iff n < m, or n == m and c <= a. So every
+(Q chunk, K chunk) pair is one triangle of the flash kernel: with its diagonal ("causal") when c <= a,
+without it ("causal_strict": causal on Q[1:], K[:-1]) when c > a. This holds for square and rectangular
+grids and for the node-aware rank placement alike; each rank computes its R x C pairs.
+
+Attention2D-O (Alg. 4-11) overlaps the same communication with the computation: see `attention2d_o.py`.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..comm import CommStats, CPGrid, all_gather, all_reduce_max_, permute, reduce_scatter
+from ..kernels.local_attn import acc_dtype, attention_delta, block_bwd, block_fwd
+from ..kernels.merge import _finite, merge_
+
+
+def pair_mask(q_res: int, kv_res: int, causal: bool) -> str:
+    """Mask of the block (queries = q_res mod P in order) x (keys = kv_res mod P in order)."""
+    if not causal:
+        return "none"
+    return "causal" if kv_res <= q_res else "causal_strict"
+
+
+def kv_to_row_major(grid: CPGrid, x: torch.Tensor, stats=None, phase="forward", inverse=False) -> torch.Tensor:
+    """Alg. 1 line 2 (and Alg. 3 line 9 with inverse=True) on x [n, ...]: the rank at position (i, j) gets the
+    tensor of group rank i*C + j. An identity on the node-aware placement, skipped there."""
+    dst = lambda p: grid.at(*divmod(p, grid.cols))       # noqa: E731 - where group rank p's K, V go
+    if all(dst(p) == p for p in range(grid.world)):
+        return x
+    src = grid.kv_owner(grid.i, grid.j)                 # whose K, V this position receives
+    if inverse:
+        return permute(grid.group, x, src, dst(grid.rank), stats, phase)
+    return permute(grid.group, x, dst(grid.rank), src, stats, phase)
+
+
+def attn_fix_reduce_scatter(grid: CPGrid, o_part, lse_part, stats=None):
+    """Alg. 1 line 6-7: combine the row's C partials of every query and scatter them to their owners.
+
+    o_part [C, b, s, h, d] fp32, lse_part [C, b, h, s] (chunk c = queries of row member c) -> own (o, lse).
+    """
+    C = grid.cols
+    if C == 1:
+        return o_part[0], lse_part[0]
+    m = all_reduce_max_(grid.row, lse_part.clone(), stats)          # row-wide max of each query's lse
+    m = _finite(m)
+    w = torch.exp(lse_part - m)                                     # [C, b, h, s]
+    num = o_part * w.transpose(2, 3).unsqueeze(-1)
+    buf = torch.cat([num.flatten(1), w.flatten(1)], dim=1)          # one packed reduce-scatter
+    out = reduce_scatter(grid.row, buf, stats)
+    n_o = num[0].numel()
+    num, den = out[:n_o].view_as(o_part[0]), out[n_o:].view_as(lse_part[0])
+    o = num / torch.where(den > 0, den, torch.ones_like(den)).transpose(1, 2).unsqueeze(-1)
+    lse = m[grid.j] + torch.log(den)                                # den == 0 -> -inf (no key seen)
+    return o, lse
+
+
+def _forward(grid: CPGrid, q, k, v, *, causal, scale, backend, stats=None):
+    """q [b, s, h, d], k, v [b, s, h_kv, d] (cyclic shards) -> (o in q.dtype, lse fp32, permuted k, v)."""
+    R, C, acc = grid.rows, grid.cols, acc_dtype(q.dtype)
+    # Line 2: K, V to row-major ownership (packed: one all-to-all).
+    kv = kv_to_row_major(grid, torch.stack([k, v]), stats)
+    # Lines 3-4: Q gathered in the row, K, V in the column.
+    q_all = all_gather(grid.row, q, stats)                          # [C, b, s, h, d]
+    kv_all = all_gather(grid.col, kv, stats)                        # [R, 2, b, s, h_kv, d]
+    # Line 5: the local partial, one flash-kernel triangle per (Q chunk, K, V chunk).
+    o_part = torch.empty(q_all.shape, dtype=acc, device=q.device)
+    lse_part = torch.empty((C,) + (q.shape[0], q.shape[2], q.shape[1]), dtype=acc, device=q.device)
+    for c in range(C):
+        for r in range(R):
+            mask = pair_mask(grid.row_ranks[c], grid.kv_owner(r, grid.j), causal)
+            o_b, lse_b = block_fwd(q_all[c], kv_all[r, 0], kv_all[r, 1], mask=mask, scale=scale, backend=backend)
+            if r == 0:
+                o_part[c].copy_(o_b)
+                lse_part[c].copy_(lse_b)
+            else:
+                merge_(o_part[c], lse_part[c], o_b, lse_b)
+    # Lines 6-7: AttnFix reduce-scatter in the row.
+    o, lse = attn_fix_reduce_scatter(grid, o_part, lse_part, stats)
+    return o.to(q.dtype), lse, kv
+
+
+def _backward(grid: CPGrid, do, q, kv, o, lse, *, causal, scale, backend, stats=None):
+    """Alg. 3 from the saved row-major K, V `kv` [2, b, s, h_kv, d]: (dq, dk, dv) in the input dtype."""
+    R, C, acc = grid.rows, grid.cols, acc_dtype(q.dtype)
+    ph = "backward"
+    # Lines 4-5: Q, dO, D, lse in the row; K, V in the column.
+    delta = attention_delta(do, o)
+    q_all, do_all = all_gather(grid.row, q, stats, ph), all_gather(grid.row, do, stats, ph)
+    stat_all = all_gather(grid.row, torch.stack([delta, lse.to(acc)]), stats, ph)  # [C, 2, b, h, s]
+    kv_all = all_gather(grid.col, kv, stats, ph)
+    # Line 6: block backward per pair from the global (o, lse).
+    dq_part = torch.zeros(q_all.shape, dtype=acc, device=q.device)
+    dkv_part = torch.zeros(kv_all.shape, dtype=acc, device=q.device)
+    for c in range(C):
+        for r in range(R):
+            mask = pair_mask(grid.row_ranks[c], grid.kv_owner(r, grid.j), causal)
+            dq_b, dk_b, dv_b = block_bwd(do_all[c], q_all[c], kv_all[r, 0], kv_all[r, 1], None, stat_all[c, 1],
+                                         delta=stat_all[c, 0], mask=mask, scale=scale, backend=backend)
+            dq_part[c].add_(dq_b)
+            dkv_part[r, 0].add_(dk_b)
+            dkv_part[r, 1].add_(dv_b)
+    # Lines 7-9: dQ reduce-scattered in the row, dK, dV in the column, then back to column-major.
+    dq = reduce_scatter(grid.row, dq_part, stats, ph)
+    dkv = reduce_scatter(grid.col, dkv_part, stats, ph).to(q.dtype)
+    dkv = kv_to_row_major(grid, dkv, stats, ph, inverse=True)
+    return dq.to(q.dtype), dkv[0], dkv[1]
+
+
+class Attention2DNO(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, grid, causal, scale, backend, stats):
+        o, lse, kv = _forward(grid, q, k, v, causal=causal, scale=scale, backend=backend, stats=stats)
+        ctx.save_for_backward(q, kv, o, lse)
+        ctx.args = (grid, causal, scale, backend, stats)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, kv, o, lse = ctx.saved_tensors
+        grid, causal, scale, backend, stats = ctx.args
+        dq, dk, dv = _backward(grid, do, q, kv, o, lse, causal=causal, scale=scale, backend=backend, stats=stats)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def attention2d_no(q, k, v, *, group: CPGrid, causal: bool = True, softmax_scale: float, backend: str | None = None,
+                   comm_stats: CommStats | None = None):
+    """Attention2D-NO on validated cyclic shards: q [b, s, h, d], k, v [b, s, h_kv, d] -> [b, s, h, d]."""
+    return Attention2DNO.apply(q, k, v, group, causal, softmax_scale, backend, comm_stats)
