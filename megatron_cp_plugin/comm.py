@@ -70,15 +70,46 @@ class Ring:
 
 
 # ----------------------------------------------------------------------------------------------- CP grid
-def grid_bytes(rows: int, cols: int, *, b: int, s_local: int, h: int, h_kv: int, d: int, elem: int = 2,
-               permute: bool = True) -> int:
-    """Bytes one rank sends in an Attention2D forward + backward on a rows x cols grid (ring collectives:
-    an all-gather or reduce-scatter among g ranks sends (g - 1) chunks). Used to pick the grid."""
-    n_q, n_kv, n_r = b * s_local * h * d, b * s_local * h_kv * d, b * h * s_local
-    perm = 2 * 2 * n_kv * elem if permute else 0
-    fwd = (cols - 1) * (n_q * elem + (n_q + n_r) * 4) + (rows - 1) * 2 * n_kv * elem
-    bwd = (cols - 1) * (2 * n_q * elem + 2 * n_r * 4 + n_q * 4) + (rows - 1) * 2 * n_kv * (elem + 4)
-    return perm + fwd + bwd
+def grid_position(p: int, rows: int, cols: int, row_major: bool) -> tuple[int, int]:
+    """Grid position (i, j) of group rank p (see CPGrid)."""
+    return (p // cols, p % cols) if row_major else (p % rows, p // rows)
+
+
+def grid_rank(i: int, j: int, rows: int, cols: int, row_major: bool) -> int:
+    """The group rank at grid position (i, j)."""
+    return i * cols + j if row_major else i + j * rows
+
+
+def kv_moves(p: int, rows: int, cols: int, row_major: bool) -> bool:
+    """Whether group rank p's K, V leave it in the column-major -> row-major permutation: they go to the
+    position (p // cols, p % cols), whose row-major index is p."""
+    return grid_rank(p // cols, p % cols, rows, cols, row_major) != p
+
+
+def attention2d_bytes(*, seq_len: int, world: int, rows: int, cols: int, b: int, h: int, h_kv: int, d: int,
+                      elem: int = 2, overlap: bool = False, row_major: bool = False,
+                      rank: int | None = None) -> tuple[int, int]:
+    """(forward, backward) bytes one rank sends in Attention2D on a rows x cols grid: the paper's Section 3.3
+    per-rank costs with our choices made explicit. s = seq_len / world tokens per rank, n_q = b s h d,
+    n_kv = b s h_kv d, n_r = b h s (one fp32 per query row), e = `elem`; ring collectives (an all-gather or
+    reduce-scatter over g ranks sends g - 1 chunks, an all-reduce 2 (g - 1) / g of its buffer):
+      permutation (Alg. 1 line 2, Alg. 3 line 9): 2 n_kv e each way for a rank whose K, V move (`rank`;
+                 None: a rank that moves, if any does), 0 for the others
+      forward:  Q gather (C-1) n_q e; K, V gather (R-1) 2 n_kv e; AttnFix reduce-scatter of (o w, w) in fp32
+                (C-1) (n_q + n_r) 4; NO adds the row all-reduce max of lse, 2 (C-1) n_r 4
+      backward: Q, dO gather (C-1) 2 n_q e; D, lse (C-1) 2 n_r 4 (D replaces the paper's O); K, V gather
+                (R-1) 2 n_kv e; dQ reduce-scatter (C-1) n_q 4; dK, dV reduce-scatter (R-1) 2 n_kv 4
+    `overlap` (Attention2D-O) sends the same through rings, without the all-reduce max."""
+    s = seq_len // world
+    n_q, n_kv, n_r = b * s * h * d, b * s * h_kv * d, b * h * s
+    ranks = range(world) if rank is None else [rank]
+    moves = any(kv_moves(p, rows, cols, row_major) for p in ranks)
+    perm = 2 * n_kv * elem if moves else 0
+    fwd = perm + (cols - 1) * (n_q * elem + (n_q + n_r) * 4) + (rows - 1) * 2 * n_kv * elem
+    if not overlap:
+        fwd += 2 * (cols - 1) * n_r * 4
+    bwd = perm + (cols - 1) * (2 * n_q * elem + 2 * n_r * 4 + n_q * 4) + (rows - 1) * 2 * n_kv * (elem + 4)
+    return fwd, bwd
 
 
 def choose_grid(world: int, *, h: int = 1, h_kv: int = 1) -> tuple[int, int]:
@@ -88,7 +119,9 @@ def choose_grid(world: int, *, h: int = 1, h_kv: int = 1) -> tuple[int, int]:
     if r * r == world:
         return r, r
     cands = [(x, world // x) for x in range(1, world + 1) if world % x == 0]
-    return min(cands, key=lambda rc: (grid_bytes(*rc, b=1, s_local=1, h=h, h_kv=h_kv, d=1), rc[0]))
+    cost = lambda rc: sum(attention2d_bytes(seq_len=world, world=world, rows=rc[0], cols=rc[1], b=1, h=h,  # noqa
+                                            h_kv=h_kv, d=128))
+    return min(cands, key=lambda rc: (cost(rc), rc[0]))
 
 
 class CPGrid:
@@ -121,11 +154,11 @@ class CPGrid:
                                   sort_ranks=False) if rows > 1 else None
 
     def position(self, p: int) -> tuple[int, int]:
-        return (p // self.cols, p % self.cols) if self.row_major else (p % self.rows, p // self.rows)
+        return grid_position(p, self.rows, self.cols, self.row_major)
 
     def at(self, i: int, j: int) -> int:
         """The group rank at grid position (i, j)."""
-        return i * self.cols + j if self.row_major else i + j * self.rows
+        return grid_rank(i, j, self.rows, self.cols, self.row_major)
 
     def kv_owner(self, i: int, j: int) -> int:
         """Residue (mod P) of the K, V tokens that position (i, j) holds after the column-major -> row-major

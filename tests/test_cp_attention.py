@@ -51,7 +51,7 @@ def _rel_l2(x, ref):
     return (torch.linalg.vector_norm(x.double() - ref) / torch.linalg.vector_norm(ref)).item()
 
 
-def _case(rank, world, algo, dtype, causal, h, hk, d, seed):
+def _case(rank, world, algo, dtype, causal, h, hk, d, seed, group=None):
     seq = 2 * world * 5                               # odd chunks of 5 tokens
     q, k, v, do = _inputs(seed, seq, h, hk, d, dtype)
     mask = "causal" if causal else "none"
@@ -62,7 +62,7 @@ def _case(rank, world, algo, dtype, causal, h, hk, d, seed):
     # Context-parallel run on this rank's shards.
     shard = lambda t: mcp.shard_sequence(t, algo=algo).detach()  # noqa: E731
     ql, kl, vl = (shard(t).requires_grad_() for t in (q, k, v))
-    o = mcp.context_parallel_attention(ql, kl, vl, algo=algo, causal=causal)
+    o = mcp.context_parallel_attention(ql, kl, vl, algo=algo, causal=causal, group=group)
     o.backward(shard(do))
     got = {"o": o, "dq": ql.grad, "dk": kl.grad, "dv": vl.grad}
     ref = dict(zip(got, (shard(t) for t in (o_ref.detach(),) + grads_ref)))
@@ -83,11 +83,13 @@ def _case(rank, world, algo, dtype, causal, h, hk, d, seed):
     return bad
 
 
-def _cases(rank, world, algo, dtype):
-    """Runs every case (a rank that stopped early would leave the others waiting), then reports failures."""
+def _cases(rank, world, algo, dtype, grid=None):
+    """Runs every case (a rank that stopped early would leave the others waiting), then reports failures.
+    grid: (rows, cols, gpus_per_node) for Attention2D, or None for the default grid."""
+    group = mcp.CPGrid(dist.group.WORLD, *grid) if grid else None
     bad = []
     for i, (causal, (h, hk), d) in enumerate(itertools.product((True, False), HEADS, HEAD_DIMS)):
-        bad += _case(rank, world, algo, dtype, causal, h, hk, d, seed=1000 * world + i)
+        bad += _case(rank, world, algo, dtype, causal, h, hk, d, seed=1000 * world + i, group=group)
     assert not bad, "\n".join(bad)
     return True
 
@@ -102,9 +104,32 @@ def test_matches_fp64_reference(pools, world, algo, dtype):
     assert all(pools(world).run(_cases, algo, dtype, timeout=120))
 
 
+@pytest.mark.parametrize("algo", ["attention2d-no", "attention2d-o"])
+@pytest.mark.parametrize("world,grid", [(4, (1, 4, None)), (4, (4, 1, None)), (4, (2, 2, 2)), (6, (2, 3, 3)),
+                                        (6, (3, 2, None)), (8, (4, 2, 2))])
+def test_attention2d_explicit_grids(pools, world, grid, algo):
+    """Rectangular grids both ways and the node-aware (row-major) placement, in fp32."""
+    assert all(pools(world).run(_cases, algo, torch.float32, grid, timeout=120))
+
+
+def _no_vs_o(rank, world):
+    q, k, v, do = _inputs(5, 2 * world * 4, 8, 2, 16, torch.float32)
+    res = []
+    for algo in ("attention2d-no", "attention2d-o"):
+        ql, kl, vl = (mcp.shard_sequence(t, algo=algo).requires_grad_() for t in (q, k, v))
+        o = mcp.context_parallel_attention(ql, kl, vl, algo=algo)
+        res.append((o,) + torch.autograd.grad(o, (ql, kl, vl), mcp.shard_sequence(do, algo=algo)))
+    return max(_rel(a, b.double()) for a, b in zip(*res))
+
+
+@pytest.mark.parametrize("world", (4, 6, 9))
+def test_attention2d_no_and_o_agree(pools, world):
+    assert max(pools(world).run(_no_vs_o)) <= 1e-6
+
+
 # ------------------------------------------------------------------------------------------- bytes
-def _bytes(rank, world, algo, dtype, h, hk):
-    b, s, d = BATCH, 2 * world * 3, 8
+def _bytes(rank, world, algo, dtype, h, hk, seq=None):
+    b, s, d = BATCH, seq or 2 * world * 3, 8
     q, k, v, do = _inputs(7, s, h, hk, d, dtype)
     stats = mcp.CommStats()
     shard = lambda t: mcp.shard_sequence(t, algo=algo).detach()  # noqa: E731
@@ -123,6 +148,32 @@ def test_byte_counters_equal_formulas(pools, world, algo):
         bwd = {"ring": (world - 1) * 2 * n_kv * (e + acc),
                "burst": (world - 1) * (n_q * (2 * e + acc) + 2 * b * h * s_l * acc)}[algo]
         assert pools(world).run(_bytes, algo, dtype, h, hk) == [(fwd, bwd)] * world, (dtype, h, hk)
+
+
+@pytest.mark.parametrize("algo", ["attention2d-no", "attention2d-o"])
+@pytest.mark.parametrize("world", (2, 4, 6, 9))
+def test_attention2d_byte_counters_equal_formula(pools, world, algo):
+    for dtype, (h, hk) in itertools.product((torch.float32, torch.bfloat16), HEADS):
+        rows, cols = mcp.choose_grid(world, h=h, h_kv=hk)
+        want = [mcp.attention2d_bytes(seq_len=2 * world * 3, world=world, rows=rows, cols=cols, b=BATCH, h=h,
+                                      h_kv=hk, d=8, elem=torch.tensor([], dtype=dtype).element_size(),
+                                      overlap=algo == "attention2d-o", rank=r) for r in range(world)]
+        assert pools(world).run(_bytes, algo, dtype, h, hk) == want, (dtype, h, hk, rows, cols)
+
+
+def test_attention2d_bytes_fall_from_4_to_9_ranks(pools):
+    """Fixed N: per-rank traffic shrinks like 1/sqrt(P) (2 x 2 -> 3 x 3 grid), ring's stays flat."""
+    n = 72
+    a4 = sum(pools(4).run(_bytes, "attention2d-no", torch.bfloat16, 4, 4, n)[1])   # rank 1's K, V move
+    a9 = sum(pools(9).run(_bytes, "attention2d-no", torch.bfloat16, 4, 4, n)[1])
+    r4 = sum(pools(4).run(_bytes, "ring", torch.bfloat16, 4, 4, n)[0])
+    r9 = sum(pools(9).run(_bytes, "ring", torch.bfloat16, 4, 4, n)[0])
+    assert a9 < a4 < r4 and r9 >= r4
+    # Gathers and reduce-scatters send (sqrt(P) - 1) chunks of N / P tokens, the permutation one: the ratio is
+    # (2 g + p) / 9 over (g + p) / 4 with g, p the per-token gather and permutation bytes.
+    f = lambda w, r: sum(mcp.attention2d_bytes(seq_len=n, world=w, rows=r, cols=r, b=BATCH, h=4, h_kv=4, d=8,  # noqa
+                                               rank=1))
+    assert (a4, a9) == (f(4, 2), f(9, 3)) and 0.5 < a9 / a4 < 0.9
 
 
 def test_burst_backward_sends_three_quarters_of_ring_for_mha(pools):
@@ -182,6 +233,10 @@ def _bad(rank, world, case):
         kw["backend"] = "cudnn"
     elif case == "shard_len":
         return mcp.shard_sequence(torch.randn(1, 2 * world + 1, 2), algo="burst")
+    elif case == "cyclic_len":
+        return mcp.shard_sequence(torch.randn(1, world + 1, 2), algo="attention2d-no")
+    elif case == "grid":
+        kw.update(algo="attention2d-o", group=mcp.CPGrid(dist.group.WORLD, 2, 2))
     mcp.context_parallel_attention(q, k, v, **kw)
     return "no error"
 
@@ -189,6 +244,7 @@ def _bad(rank, world, case):
 @pytest.mark.parametrize("case,needle", [
     ("odd_seq", "q:"), ("heads", "heads"), ("shape", "k, v"), ("kv_shape", "k and v"), ("dtype", "dtype"),
     ("device", "device"), ("algo", "algo"), ("group", "group"), ("backend", "backend"), ("shard_len", "x.shape[1]"),
+    ("cyclic_len", "x.shape[1]"), ("grid", "grid"),
 ])
 def test_bad_input_raises_on_every_rank_without_hanging(pools, case, needle):
     pool = pools(3)

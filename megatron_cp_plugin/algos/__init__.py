@@ -7,11 +7,13 @@ import torch.distributed as dist
 from ..comm import CommStats, CPGrid, default_grid, resolve_group
 from ..kernels.local_attn import select_backend
 from .attention2d import attention2d_no
+from .attention2d_o import attention2d_o
 from .burst import burst_attention
 from .ring import ring_attention
 
-_IMPLS = {"ring": ring_attention, "burst": burst_attention, "attention2d-no": attention2d_no}
-_LAYOUTS = {"ring": "zigzag", "burst": "zigzag", "attention2d-no": "cyclic"}
+_IMPLS = {"ring": ring_attention, "burst": burst_attention, "attention2d-no": attention2d_no,
+          "attention2d-o": attention2d_o}
+_LAYOUTS = {"ring": "zigzag", "burst": "zigzag", "attention2d-no": "cyclic", "attention2d-o": "cyclic"}
 ALGORITHMS = tuple(_IMPLS)
 
 

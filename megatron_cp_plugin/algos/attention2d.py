@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from ..comm import CommStats, CPGrid, all_gather, all_reduce_max_, permute, reduce_scatter
+from ..comm import CommStats, CPGrid, all_gather, all_reduce_max_, kv_moves, permute, reduce_scatter
 from ..kernels.local_attn import acc_dtype, attention_delta, block_bwd, block_fwd
 from ..kernels.merge import _finite, merge_
 
@@ -42,13 +42,13 @@ def pair_mask(q_res: int, kv_res: int, causal: bool) -> str:
 def kv_to_row_major(grid: CPGrid, x: torch.Tensor, stats=None, phase="forward", inverse=False) -> torch.Tensor:
     """Alg. 1 line 2 (and Alg. 3 line 9 with inverse=True) on x [n, ...]: the rank at position (i, j) gets the
     tensor of group rank i*C + j. An identity on the node-aware placement, skipped there."""
-    dst = lambda p: grid.at(*divmod(p, grid.cols))       # noqa: E731 - where group rank p's K, V go
-    if all(dst(p) == p for p in range(grid.world)):
+    if not any(kv_moves(p, grid.rows, grid.cols, grid.row_major) for p in range(grid.world)):
         return x
+    dst = grid.at(*divmod(grid.rank, grid.cols))        # where this rank's K, V go
     src = grid.kv_owner(grid.i, grid.j)                 # whose K, V this position receives
     if inverse:
-        return permute(grid.group, x, src, dst(grid.rank), stats, phase)
-    return permute(grid.group, x, dst(grid.rank), src, stats, phase)
+        return permute(grid.group, x, src, dst, stats, phase)
+    return permute(grid.group, x, dst, src, stats, phase)
 
 
 def attn_fix_reduce_scatter(grid: CPGrid, o_part, lse_part, stats=None):

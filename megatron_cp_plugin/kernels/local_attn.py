@@ -243,7 +243,8 @@ def _surrogate_out(do: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         idx = a.argmax(-1, keepdim=True)
         xi = x.gather(-1, idx)
         val = torch.where(xi == 0, torch.zeros_like(rest), rest / torch.where(xi == 0, torch.ones_like(xi), xi))
-        val = torch.nan_to_num(val, posinf=0.0, neginf=0.0).to(do.dtype)
+        big = torch.finfo(do.dtype).max          # fp16 overflows at 65504: clamp, the next entry carries the rest
+        val = torch.nan_to_num(val, posinf=0.0, neginf=0.0).clamp(-big, big).to(do.dtype)
         out.scatter_(-1, idx, val)
         rest = rest - xi * val.float()
         a.scatter_(-1, idx, -1.0)
@@ -263,6 +264,10 @@ def _cudnn_fwd(q, k, v, causal, scale, _chunk):
 def _cudnn_bwd(do, q, k, v, o, lse, delta, causal, scale, _chunk):
     if o is None:
         o = _surrogate_out(do, delta)
+    # torch 2.11 caches the cuDNN backward plan by q, k, v shapes and strides only, so a later call with
+    # other dO / O strides reads them with the first call's layout (wrong gradients, seen on H200): always
+    # pass them in one layout, fixed by their shape.
+    do, o = do.contiguous(), o.contiguous()
     ph = _empty_philox(q.device)
     dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
         _bhsd(do), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(o), lse.contiguous().unsqueeze(-1), ph, ph, None,

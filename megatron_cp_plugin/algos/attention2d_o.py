@@ -1,0 +1,160 @@
+"""Attention2D-O (attention2d.txt, Alg. 4-11): Attention2D with its communication overlapped.
+
+Same grid, layout, masks and result as Attention2D-NO (`attention2d.py`); the gathers and reduce-scatters
+become rings whose next transfer is posted before the current block's compute (`comm.Ring`, double buffered:
+one block in hand, one in flight).
+
+Forward (Alg. 4): K, V to row-major (line 2); the own Q block starts round the grid row (line 4) while
+GthrCmpt (Alg. 5) passes K, V blocks round the grid column, computing the own Q block against each as it
+arrives and keeping them (line 5); GthrCmptSctr (Alg. 6) then takes each arriving Q block against all the
+column's K, V and passes its partial (o, lse) round the row, merged with AttnFix at every hop, so that it
+ends on its owner (a ring reduce-scatter, Alg. 7); finally the own partial merges with what came home (line 8).
+Backward (Alg. 8): Q, dO, D, lse go round the row; GthrCmptBwd (Alg. 9) gathers K, V in the column while
+doing the own Q block; GthrCmptSctrBwd (Alg. 10) does the others, passing the dQ accumulators round the row;
+in its last pass CmptSctrBwd (Alg. 11) takes the K, V chunks in ring order and sends each chunk's finished
+dK, dV accumulator down the column while computing the next (the column reduce-scatter); line 9 moves dK,
+dV back to column-major. With one grid row the own pass is the last pass and does both.
+
+Bytes per rank (n_q = b s h d, n_kv = b s h_kv d, n_r = b h s; e = element size; accumulators fp32):
+  forward  perm + (C-1) (n_q e + (n_q + n_r) 4) + (R-1) 2 n_kv e
+  backward perm + (C-1) (2 n_q e + 2 n_r 4 + n_q 4) + (R-1) 2 n_kv (e + 4)
+where perm = 2 n_kv e when the placement moves K, V (see `comm.attention2d_bytes`).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..comm import CommStats, CPGrid, Ring
+from ..kernels.local_attn import acc_dtype, attention_delta, block_bwd, block_fwd
+from ..kernels.merge import merge_
+from .attention2d import kv_to_row_major, pair_mask
+
+
+def _rings(grid: CPGrid, phase: str, stats):
+    row = Ring(grid.row, phase, stats) if grid.cols > 1 else None
+    col = Ring(grid.col, phase, stats) if grid.rows > 1 else None
+    return row, col
+
+
+def _forward(grid: CPGrid, q, k, v, *, causal, scale, backend, stats=None):
+    """q [b, s, h, d], k, v [b, s, h_kv, d] (cyclic shards) -> (o in q.dtype, lse fp32, row-major k, v)."""
+    R, C, i, j, acc = grid.rows, grid.cols, grid.i, grid.j, acc_dtype(q.dtype)
+    kv = kv_to_row_major(grid, torch.stack([k, v]), stats)                   # line 2
+    q_ring, kv_ring = _rings(grid, "forward", stats)
+    o_ring, _ = _rings(grid, "forward", stats)
+    kv_all, q_blk, own, incoming = [None] * R, q, None, None
+    kv_all[i] = kv
+    for t in range(C):                               # t = 0: GthrCmpt; t >= 1: GthrCmptSctr
+        if t + 1 < C:
+            q_next = q_ring.send_recv((q_blk,))      # line 4 / Alg. 6 line 4
+        q_res = grid.row_ranks[(j - t) % C]
+        o_t = lse_t = None
+        for u in range(R):
+            r = (i - u) % R                          # K, V chunk of grid row r
+            if t == 0 and u + 1 < R:
+                kv_next = kv_ring.send_recv((kv_all[r],))                       # Alg. 5 line 4
+            o_b, lse_b = block_fwd(q_blk, kv_all[r][0], kv_all[r][1], mask=pair_mask(q_res, grid.kv_owner(r, j),
+                                   causal), scale=scale, backend=backend)       # Alg. 5 line 5 / Alg. 6 line 5
+            if o_t is None:
+                o_t, lse_t = o_b.to(acc), lse_b.clone()
+            else:
+                merge_(o_t, lse_t, o_b, lse_b)                                  # Alg. 5 line 6
+            if t == 0 and u + 1 < R:
+                kv_ring.wait()
+                kv_all[(r - 1) % R] = kv_next[0]
+        if t == 0:
+            own = (o_t, lse_t)
+        else:                                        # Alg. 6 lines 7-8: AttnFix with what came from the ring
+            if incoming is not None:
+                o_ring.wait()
+                merge_(o_t, lse_t, *incoming)
+            incoming = o_ring.send_recv((o_t, lse_t))
+        if t + 1 < C:
+            q_ring.wait()
+            q_blk = q_next[0]
+    o, lse = own
+    if C > 1:                                        # Alg. 4 line 8: the row's partials of our queries
+        o_ring.wait()
+        merge_(o, lse, *incoming)
+    return o.to(q.dtype), lse, kv
+
+
+def _backward(grid: CPGrid, do, q, kv, o, lse, *, causal, scale, backend, stats=None):
+    """Alg. 8 from the saved row-major K, V `kv` [2, b, s, h_kv, d]: (dq, dk, dv) in the input dtype."""
+    R, C, i, j, acc = grid.rows, grid.cols, grid.i, grid.j, acc_dtype(q.dtype)
+    q_ring, kv_ring = _rings(grid, "backward", stats)
+    dq_ring, dkv_ring = _rings(grid, "backward", stats)
+    blk = (q, do, attention_delta(do, o), lse)                                 # line 2-4: D_i, then the ring
+    kv_all = [None] * R
+    kv_all[i] = kv
+    dkv_part = torch.zeros((R,) + tuple(kv.shape), dtype=acc, device=q.device)
+    dq_in = dkv_in = None
+    for t in range(C):                               # t = 0: GthrCmptBwd; t >= 1: GthrCmptSctrBwd
+        if t + 1 < C:
+            nxt = q_ring.send_recv(blk)
+        q_j, do_j, delta_j, lse_j = blk
+        q_res = grid.row_ranks[(j - t) % C]
+        last = t == C - 1
+        dq_t = torch.zeros(q.shape, dtype=acc, device=q.device)
+        # The last pass takes chunks i-1, i-2, ... and its own last, so every chunk's dK, dV is final just
+        # when its turn in the column reduce-scatter comes (Alg. 11); the own pass takes them as they arrive.
+        us = list(range(R)) if t == 0 else list(range(1, R)) + [0]
+        for u in us:
+            r = (i - u) % R
+            if t == 0 and u + 1 < R:
+                kv_next = kv_ring.send_recv((kv_all[r],))                       # Alg. 9 line 4
+            dq_b, dk_b, dv_b = block_bwd(do_j, q_j, kv_all[r][0], kv_all[r][1], None, lse_j, delta=delta_j,
+                                         mask=pair_mask(q_res, grid.kv_owner(r, j), causal), scale=scale,
+                                         backend=backend)
+            dq_t.add_(dq_b)
+            dkv_part[r, 0].add_(dk_b)
+            dkv_part[r, 1].add_(dv_b)
+            if last and u > 0:                       # Alg. 11 line 14: chunk r is final here; pass it on
+                if dkv_in is not None:
+                    dkv_ring.wait()
+                    dkv_part[r].add_(dkv_in[0])
+                dkv_in = dkv_ring.send_recv((dkv_part[r],))
+            if t == 0 and u + 1 < R:
+                kv_ring.wait()
+                kv_all[(r - 1) % R] = kv_next[0]
+        if t == 0:
+            dq_own = dq_t
+        else:                                        # Alg. 10: the dQ accumulator of this Q block moves on
+            if dq_in is not None:
+                dq_ring.wait()
+                dq_t.add_(dq_in[0])
+            dq_in = dq_ring.send_recv((dq_t,))
+        if t + 1 < C:
+            q_ring.wait()
+            blk = nxt
+    if C > 1:
+        dq_ring.wait()
+        dq_own.add_(dq_in[0])
+    dkv = dkv_part[i]
+    if R > 1:
+        dkv_ring.wait()
+        dkv = dkv + dkv_in[0]
+    dkv = kv_to_row_major(grid, dkv.to(q.dtype), stats, "backward", inverse=True)   # line 9
+    return dq_own.to(q.dtype), dkv[0], dkv[1]
+
+
+class Attention2DO(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, grid, causal, scale, backend, stats):
+        o, lse, kv = _forward(grid, q, k, v, causal=causal, scale=scale, backend=backend, stats=stats)
+        ctx.save_for_backward(q, kv, o, lse)
+        ctx.args = (grid, causal, scale, backend, stats)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, kv, o, lse = ctx.saved_tensors
+        grid, causal, scale, backend, stats = ctx.args
+        dq, dk, dv = _backward(grid, do, q, kv, o, lse, causal=causal, scale=scale, backend=backend, stats=stats)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def attention2d_o(q, k, v, *, group: CPGrid, causal: bool = True, softmax_scale: float, backend: str | None = None,
+                  comm_stats: CommStats | None = None):
+    """Attention2D-O on validated cyclic shards: q [b, s, h, d], k, v [b, s, h_kv, d] -> [b, s, h, d]."""
+    return Attention2DO.apply(q, k, v, group, causal, softmax_scale, backend, comm_stats)
