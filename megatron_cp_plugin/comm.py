@@ -148,10 +148,12 @@ class CPGrid:
         glob = lambda p: dist.get_global_rank(group, p)  # noqa: E731
         self.row_ranks = [self.at(self.i, c) for c in range(cols)]     # group ranks, in column order
         self.col_ranks = [self.at(r, self.j) for r in range(rows)]     # group ranks, in row order
-        self.row = dist.new_group([glob(p) for p in self.row_ranks], use_local_synchronization=True,
-                                  sort_ranks=False) if cols > 1 else None
-        self.col = dist.new_group([glob(p) for p in self.col_ranks], use_local_synchronization=True,
-                                  sort_ranks=False) if rows > 1 else None
+        # Both placements list a row by column and a column by row in increasing rank order, which is the
+        # order new_group gives its members, so chunk c of a row gather is column c's (and r of a column's, row r's).
+        for members in (self.row_ranks, self.col_ranks):
+            assert [glob(p) for p in members] == sorted(glob(p) for p in members)
+        self.row = dist.new_group([glob(p) for p in self.row_ranks], use_local_synchronization=True) if cols > 1 else None
+        self.col = dist.new_group([glob(p) for p in self.col_ranks], use_local_synchronization=True) if rows > 1 else None
 
     def position(self, p: int) -> tuple[int, int]:
         return grid_position(p, self.rows, self.cols, self.row_major)

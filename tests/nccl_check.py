@@ -1,4 +1,4 @@
-"""GPU correctness check of ring and burst on NCCL in bf16 at long sequence (run under torchrun).
+"""GPU correctness check of every algorithm on NCCL in bf16 at long sequence (run under torchrun).
 
     torchrun --nproc-per-node 2 tests/nccl_check.py --seq 65536
 
@@ -28,7 +28,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--seq", type=int, default=65536)
     p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--algos", nargs="+", default=["ring", "burst"])
+    p.add_argument("--algos", nargs="+", default=list(mcp.ALGORITHMS))
     a = p.parse_args()
     rank, world, dev = init_distributed()
     failures = 0

@@ -12,7 +12,7 @@ GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 @pytest.mark.skipif(GPUS == 0, reason="needs CUDA GPUs: NCCL correctness at S=64k runs on the GPU machine only")
-def test_ring_and_burst_on_nccl_bf16_64k():
+def test_every_algorithm_on_nccl_bf16_64k():
     n = min(GPUS, 2)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={n}",
            os.path.join(os.path.dirname(__file__), "nccl_check.py"), "--seq", "65536"]

@@ -49,7 +49,7 @@ def main(argv=None):
     p.add_argument("--kv-heads", type=int, default=None)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--no-causal", action="store_true")
-    p.add_argument("--algos", nargs="+", default=["ring", "burst"])
+    p.add_argument("--algos", nargs="+", default=list(mcp.ALGORITHMS))
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--out", default="results/cp_attention")
