@@ -30,6 +30,7 @@ import torch
 from ..comm import CommStats, CPGrid, all_gather, all_reduce_max_, kv_moves, permute, reduce_scatter
 from ..kernels.local_attn import acc_dtype, attention_delta, block_bwd, block_fwd
 from ..kernels.merge import _finite, merge_
+from ._function import CPAttention
 
 
 def pair_mask(q_res: int, kv_res: int, causal: bool) -> str:
@@ -73,7 +74,7 @@ def attn_fix_reduce_scatter(grid: CPGrid, o_part, lse_part, stats=None):
 
 
 def _forward(grid: CPGrid, q, k, v, *, causal, scale, backend, stats=None):
-    """q [b, s, h, d], k, v [b, s, h_kv, d] (cyclic shards) -> (o in q.dtype, lse fp32, permuted k, v)."""
+    """q [b, s, h, d], k, v [b, s, h_kv, d] (cyclic shards) -> (o in q.dtype, saved (q, row-major kv, o, lse))."""
     R, C, acc = grid.rows, grid.cols, acc_dtype(q.dtype)
     # Line 2: K, V to row-major ownership (packed: one all-to-all).
     kv = kv_to_row_major(grid, torch.stack([k, v]), stats)
@@ -94,7 +95,8 @@ def _forward(grid: CPGrid, q, k, v, *, causal, scale, backend, stats=None):
                 merge_(o_part[c], lse_part[c], o_b, lse_b)
     # Lines 6-7: AttnFix reduce-scatter in the row.
     o, lse = attn_fix_reduce_scatter(grid, o_part, lse_part, stats)
-    return o.to(q.dtype), lse, kv
+    o = o.to(q.dtype)
+    return o, (q, kv, o, lse)
 
 
 def _backward(grid: CPGrid, do, q, kv, o, lse, *, causal, scale, backend, stats=None):
@@ -124,23 +126,7 @@ def _backward(grid: CPGrid, do, q, kv, o, lse, *, causal, scale, backend, stats=
     return dq.to(q.dtype), dkv[0], dkv[1]
 
 
-class Attention2DNO(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, grid, causal, scale, backend, stats):
-        o, lse, kv = _forward(grid, q, k, v, causal=causal, scale=scale, backend=backend, stats=stats)
-        ctx.save_for_backward(q, kv, o, lse)
-        ctx.args = (grid, causal, scale, backend, stats)
-        return o
-
-    @staticmethod
-    def backward(ctx, do):
-        q, kv, o, lse = ctx.saved_tensors
-        grid, causal, scale, backend, stats = ctx.args
-        dq, dk, dv = _backward(grid, do, q, kv, o, lse, causal=causal, scale=scale, backend=backend, stats=stats)
-        return dq, dk, dv, None, None, None, None, None
-
-
 def attention2d_no(q, k, v, *, group: CPGrid, causal: bool = True, softmax_scale: float, backend: str | None = None,
                    comm_stats: CommStats | None = None):
     """Attention2D-NO on validated cyclic shards: q [b, s, h, d], k, v [b, s, h_kv, d] -> [b, s, h, d]."""
-    return Attention2DNO.apply(q, k, v, group, causal, softmax_scale, backend, comm_stats)
+    return CPAttention.apply(q, k, v, _forward, _backward, group, causal, softmax_scale, backend, comm_stats)

@@ -27,6 +27,7 @@ import torch
 from ..comm import CommStats, CPGrid, Ring
 from ..kernels.local_attn import acc_dtype, attention_delta, block_bwd, block_fwd
 from ..kernels.merge import merge_
+from ._function import CPAttention
 from .attention2d import kv_to_row_major, pair_mask
 
 
@@ -37,7 +38,7 @@ def _rings(grid: CPGrid, phase: str, stats):
 
 
 def _forward(grid: CPGrid, q, k, v, *, causal, scale, backend, stats=None):
-    """q [b, s, h, d], k, v [b, s, h_kv, d] (cyclic shards) -> (o in q.dtype, lse fp32, row-major k, v)."""
+    """q [b, s, h, d], k, v [b, s, h_kv, d] (cyclic shards) -> (o in q.dtype, saved (q, row-major kv, o, lse))."""
     R, C, i, j, acc = grid.rows, grid.cols, grid.i, grid.j, acc_dtype(q.dtype)
     kv = kv_to_row_major(grid, torch.stack([k, v]), stats)                   # line 2
     q_ring, kv_ring = _rings(grid, "forward", stats)
@@ -76,7 +77,8 @@ def _forward(grid: CPGrid, q, k, v, *, causal, scale, backend, stats=None):
     if C > 1:                                        # Alg. 4 line 8: the row's partials of our queries
         o_ring.wait()
         merge_(o, lse, *incoming)
-    return o.to(q.dtype), lse, kv
+    o = o.to(q.dtype)
+    return o, (q, kv, o, lse)
 
 
 def _backward(grid: CPGrid, do, q, kv, o, lse, *, causal, scale, backend, stats=None):
@@ -138,23 +140,7 @@ def _backward(grid: CPGrid, do, q, kv, o, lse, *, causal, scale, backend, stats=
     return dq_own.to(q.dtype), dkv[0], dkv[1]
 
 
-class Attention2DO(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, grid, causal, scale, backend, stats):
-        o, lse, kv = _forward(grid, q, k, v, causal=causal, scale=scale, backend=backend, stats=stats)
-        ctx.save_for_backward(q, kv, o, lse)
-        ctx.args = (grid, causal, scale, backend, stats)
-        return o
-
-    @staticmethod
-    def backward(ctx, do):
-        q, kv, o, lse = ctx.saved_tensors
-        grid, causal, scale, backend, stats = ctx.args
-        dq, dk, dv = _backward(grid, do, q, kv, o, lse, causal=causal, scale=scale, backend=backend, stats=stats)
-        return dq, dk, dv, None, None, None, None, None
-
-
 def attention2d_o(q, k, v, *, group: CPGrid, causal: bool = True, softmax_scale: float, backend: str | None = None,
                   comm_stats: CommStats | None = None):
     """Attention2D-O on validated cyclic shards: q [b, s, h, d], k, v [b, s, h_kv, d] -> [b, s, h, d]."""
-    return Attention2DO.apply(q, k, v, group, causal, softmax_scale, backend, comm_stats)
+    return CPAttention.apply(q, k, v, _forward, _backward, group, causal, softmax_scale, backend, comm_stats)

@@ -23,6 +23,7 @@ import torch
 
 from ..comm import CommStats, Ring
 from ..kernels.local_attn import acc_dtype, attention_delta, block_bwd
+from ._function import CPAttention, saving_inputs
 from ._zigzag import zigzag_pair
 from .ring import _forward
 
@@ -70,23 +71,8 @@ def _backward(group, do, q, k, v, o, lse, *, causal, scale, backend, stats=None)
     return dq_own.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-class BurstAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, backend, stats):
-        o, lse = _forward(group, q, k, v, causal=causal, scale=scale, backend=backend, stats=stats)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.args = (group, causal, scale, backend, stats)
-        return o
-
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
-        group, causal, scale, backend, stats = ctx.args
-        dq, dk, dv = _backward(group, do, q, k, v, o, lse, causal=causal, scale=scale, backend=backend, stats=stats)
-        return dq, dk, dv, None, None, None, None, None
-
-
 def burst_attention(q, k, v, *, group, causal: bool = True, softmax_scale: float, backend: str | None = None,
                     comm_stats: CommStats | None = None):
     """BurstAttention on validated zigzag shards: q [b, s, h, d], k, v [b, s, h_kv, d] -> [b, s, h, d]."""
-    return BurstAttention.apply(q, k, v, group, causal, softmax_scale, backend, comm_stats)
+    return CPAttention.apply(q, k, v, saving_inputs(_forward), _backward, group, causal, softmax_scale, backend,
+                             comm_stats)

@@ -17,6 +17,7 @@ import torch
 from ..comm import CommStats, Ring
 from ..kernels.local_attn import acc_dtype, block_bwd, block_fwd
 from ..kernels.merge import merge_
+from ._function import CPAttention, saving_inputs
 from ._zigzag import zigzag_pair
 
 
@@ -83,23 +84,8 @@ def _backward(group, do, q, k, v, o, lse, *, causal, scale, backend, stats=None)
     return dq.to(q.dtype), dk_own.to(k.dtype), dv_own.to(v.dtype)
 
 
-class RingAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, backend, stats):
-        o, lse = _forward(group, q, k, v, causal=causal, scale=scale, backend=backend, stats=stats)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.args = (group, causal, scale, backend, stats)
-        return o
-
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
-        group, causal, scale, backend, stats = ctx.args
-        dq, dk, dv = _backward(group, do, q, k, v, o, lse, causal=causal, scale=scale, backend=backend, stats=stats)
-        return dq, dk, dv, None, None, None, None, None
-
-
 def ring_attention(q, k, v, *, group, causal: bool = True, softmax_scale: float, backend: str | None = None,
                    comm_stats: CommStats | None = None):
     """Zigzag ring attention on validated shards: q [b, s, h, d], k, v [b, s, h_kv, d] -> [b, s, h, d]."""
-    return RingAttention.apply(q, k, v, group, causal, softmax_scale, backend, comm_stats)
+    return CPAttention.apply(q, k, v, saving_inputs(_forward), _backward, group, causal, softmax_scale, backend,
+                             comm_stats)

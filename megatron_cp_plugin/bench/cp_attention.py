@@ -1,6 +1,6 @@
 """Ring and BurstAttention side by side with single-GPU attention on the full sequence, in one run.
 
-    torchrun --nproc-per-node 2 -m megatron_cp_plugin.bench.cp_attention --seq 32768 131072
+    torchrun --nproc-per-node 2 -m megatron_cp_plugin.bench.cp_attention --seq 32768 131072 [--slow-link]
 
 Every rank times the same call with CUDA events (median of --iters after --warmup); the single-GPU baseline
 runs on rank 0 alone over the full sequence with the default local kernel (cuDNN on Hopper).
@@ -9,6 +9,7 @@ Reported: ms, TFLOP/s per GPU (FLOP formula printed), and the ratio to the singl
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 import torch.distributed as dist
@@ -53,7 +54,11 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--out", default="results/cp_attention")
+    p.add_argument("--slow-link", action="store_true",
+                   help="NCCL over sockets (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1): PCIe/Ethernet-class links")
     a = p.parse_args(argv)
+    if a.slow_link:
+        os.environ.update(NCCL_P2P_DISABLE="1", NCCL_SHM_DISABLE="1")
     rank, world, dev = init_distributed()
     group, causal, hk = dist.group.WORLD, not a.no_causal, a.kv_heads or a.heads
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -89,8 +94,9 @@ def main(argv=None):
         torch.cuda.empty_cache() if dev.type == "cuda" else None
     if rank == 0:
         name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
+        link = " over sockets (--slow-link)" if a.slow_link else ""
         header = (f"cp_attention: b={a.batch} h={a.heads} h_kv={hk} d={a.head_dim} causal={causal} {dtype} on "
-                  f"{world} x {name}. {FLOP_FORMULA}. Median of {a.iters} after {a.warmup} warm-up.")
+                  f"{world} x {name}{link}. {FLOP_FORMULA}. Median of {a.iters} after {a.warmup} warm-up.")
         print(write_report(rows, a.out, header))
     dist.destroy_process_group()
 
