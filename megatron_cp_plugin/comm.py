@@ -226,14 +226,16 @@ def permute(group, x: torch.Tensor, send_to: int, recv_from: int, stats=None, ph
     return out
 
 
-_DEFAULT_GRIDS: dict = {}
+_GRIDS: dict = {}
 
 
-def default_grid(group, h: int, h_kv: int) -> CPGrid:
-    """The grid Attention2D uses when given a plain process group: `choose_grid` for its size and heads,
-    built once per (group, shape) and reused (building one creates its row and column groups)."""
-    rows, cols = choose_grid(dist.get_world_size(group), h=h, h_kv=h_kv)
-    key = (group, rows, cols)
-    if key not in _DEFAULT_GRIDS:
-        _DEFAULT_GRIDS[key] = CPGrid(group, rows, cols)
-    return _DEFAULT_GRIDS[key]
+def get_grid(group, shape: tuple[int, int] | None = None, *, h: int = 1, h_kv: int = 1,
+             gpus_per_node: int | None = None) -> CPGrid:
+    """The CPGrid over `group` with `shape` (rows, cols), or `choose_grid`'s for the heads when None; built once
+    per (group, shape, placement) and reused, since building one creates its row and column groups (every rank
+    of `group` must make the first call for a given key together)."""
+    rows, cols = shape or choose_grid(dist.get_world_size(group), h=h, h_kv=h_kv)
+    key = (group, rows, cols, gpus_per_node)
+    if key not in _GRIDS:
+        _GRIDS[key] = CPGrid(group, rows, cols, gpus_per_node)
+    return _GRIDS[key]

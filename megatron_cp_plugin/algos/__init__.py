@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..comm import CommStats, CPGrid, default_grid, resolve_group
+from ..comm import CommStats, CPGrid, get_grid, resolve_group
 from ..kernels.local_attn import select_backend
 from .attention2d import attention2d_no
 from .attention2d_o import attention2d_o
@@ -55,7 +55,7 @@ def _check_inputs(q, k, v, algo, group, softmax_scale, backend):
                          f"must be divisible by 2P = {2 * world} for the zigzag layout of algo={algo!r}")
     select_backend(q.device, q.dtype, d, backend)
     if layout == "cyclic":
-        return grid or default_grid(group, h, k.shape[2])
+        return grid or get_grid(group, h=h, h_kv=k.shape[2])
     return group
 
 

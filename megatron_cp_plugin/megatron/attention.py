@@ -1,0 +1,65 @@
+"""The core-attention module for Megatron's `self_attention.submodules.core_attention` slot.
+
+Megatron hands it this rank's shard of the sequence, RoPE applied: query [sq, b, np, hn], key and value
+[sk, b, ng, hn] (GQA not expanded); it returns [sq, b, np * hn]. The shard is in the layout of the
+algorithm (zigzag for ring and burst, cyclic for Attention2D): `batch.shard_batch` and `rope.install_cp_rope`
+make the data and the positions agree with it.
+"""
+from __future__ import annotations
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+
+from ..algos import context_parallel_attention, layout_of
+from ..comm import get_grid
+
+
+class CPCoreAttention(MegatronModule):
+    """Exact context-parallel attention over `pg_collection.cp` with `algo` (see megatron_cp_plugin.ALGORITHMS).
+
+    grid: (rows, cols) for Attention2D (None: `choose_grid`); gpus_per_node: node-aware grid placement.
+    """
+
+    def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None, pg_collection=None, *, algo: str = "ring",
+                 grid: tuple[int, int] | None = None, gpus_per_node: int | None = None, backend: str | None = None):
+        super().__init__(config=config)
+        layout_of(algo)                                          # ValueError for an unknown algo
+        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        if dropout:
+            raise ValueError(f"attention_dropout = {dropout}: context-parallel attention has no dropout; "
+                             "set --attention-dropout 0")
+        if attention_type != "self":
+            raise ValueError(f"attention_type={attention_type!r}: only self-attention is context-parallel")
+        if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.no_mask):
+            raise ValueError(f"attn_mask_type={attn_mask_type.name}: supported are causal and no_mask")
+        self.algo, self.backend, self.attn_mask_type = algo, backend, attn_mask_type
+        self.layer_number = layer_number
+        self.softmax_scale = softmax_scale if softmax_scale is not None else config.softmax_scale
+        cp = pg_collection.cp if pg_collection is not None else parallel_state.get_context_parallel_group()
+        self.group = cp
+        if layout_of(algo) == "cyclic":                         # built now, on every CP rank in step
+            h = config.num_attention_heads
+            self.group = get_grid(cp, grid, h=h, h_kv=config.num_query_groups or h, gpus_per_node=gpus_per_node)
+
+    def forward(self, query, key, value, attention_mask, /, *, attn_mask_type: AttnMaskType | None = None,
+                attention_bias=None, packed_seq_params=None):
+        """query [sq, b, np, hn], key, value [sk, b, ng, hn] -> [sq, b, np * hn]."""
+        mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        if packed_seq_params is not None:
+            raise ValueError("packed (THD) sequences are not supported by context-parallel attention yet")
+        if attention_bias is not None:
+            raise ValueError("attention_bias is not supported by context-parallel attention")
+        if mask_type not in (AttnMaskType.causal, AttnMaskType.no_mask):
+            raise ValueError(f"attn_mask_type={mask_type.name}: supported are causal and no_mask")
+        if query.shape[0] != key.shape[0]:
+            raise ValueError(f"query has {query.shape[0]} tokens and key {key.shape[0]}: decoding with a KV cache "
+                             "over a context-parallel group is tree decoding, not this module")
+        q, k, v = (x.transpose(0, 1) for x in (query, key, value))  # [b, s, h, d] views
+        o = context_parallel_attention(q, k, v, algo=self.algo, group=self.group,
+                                       causal=mask_type == AttnMaskType.causal, softmax_scale=self.softmax_scale,
+                                       backend=self.backend)
+        return o.transpose(0, 1).reshape(query.shape[0], query.shape[1], -1)
