@@ -29,8 +29,10 @@ def get_gpt_layer_spec(algo: str, *, grid: tuple[int, int] | None = None, gpus_p
     """
     use_te = _te_available() if use_te is None else use_te
     make = get_gpt_layer_with_transformer_engine_spec if use_te else get_gpt_layer_local_spec
+    # TE's spec function takes no `normalization` (TE layers read config.normalization themselves).
+    norm = {"normalization": normalization} if normalization and not use_te else {}
     spec = copy.deepcopy(make(num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm, qk_layernorm=qk_layernorm,
-                              **({"normalization": normalization} if normalization else {})))
+                              **norm))
     attn = spec.submodules.self_attention.submodules
     attn.core_attention = ModuleSpec(module=CPCoreAttention, params={
         "algo": algo, "grid": grid, "gpus_per_node": gpus_per_node, "backend": backend})

@@ -1,0 +1,115 @@
+"""megatron-cp-pretrain on CPU processes: CP losses track CP = 1, resume, real data, bad flags, a killed rank."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8", "--num-query-groups", "2",
+        "--seq-length", "256", "--micro-batch-size", "2", "--lr", "1e-3", "--min-lr", "1e-4", "--log-interval", "1"]
+
+
+def _pretrain(*flags, nproc=1, timeout=600, check=True):
+    cmd = [sys.executable, "-W", "ignore", "-m", "megatron_cp_plugin.pretrain", "--nproc", str(nproc), *TINY, *flags]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if check:
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    return r
+
+
+def _losses(path):
+    with open(path) as f:
+        return [json.loads(line)["loss"] for line in f]
+
+
+@pytest.fixture(scope="module")
+def cp1_losses(tmp_path_factory):
+    log = tmp_path_factory.mktemp("cp1") / "log.jsonl"
+    _pretrain("--train-iters", "20", "--log-json", str(log))
+    return _losses(log)
+
+
+def test_attention2d_cp4_tracks_cp1_for_20_steps(cp1_losses, tmp_path):
+    log = tmp_path / "log.jsonl"
+    _pretrain("--train-iters", "20", "--context-parallel-algo", "attention2d", "--log-json", str(log), nproc=4)
+    cp4 = _losses(log)
+    assert len(cp4) == len(cp1_losses) == 20
+    assert max(abs(a - b) for a, b in zip(cp4, cp1_losses)) <= 1e-4, list(zip(cp4, cp1_losses))
+    assert cp4[-1] < cp4[0]                                        # it learns
+
+
+def test_resume_from_step_10_gives_the_same_losses(cp1_losses, tmp_path):
+    ckpt, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
+    flags = ["--context-parallel-algo", "ring", "--save", str(ckpt), "--save-interval", "10"]
+    _pretrain("--train-iters", "20", "--exit-interval", "10", *flags, "--log-json", str(log), nproc=2)
+    assert (ckpt / "iter_0000010").is_dir()
+    _pretrain("--train-iters", "20", *flags, "--load", str(ckpt), "--log-json", str(log), nproc=2)
+    losses = _losses(log)
+    assert len(losses) == 20
+    assert max(abs(a - b) for a, b in zip(losses, cp1_losses)) <= 1e-4, list(zip(losses, cp1_losses))
+
+
+def test_trains_on_preprocessed_bin_idx(tmp_path):
+    text = tmp_path / "corpus.txt"
+    text.write_text("\n".join(f"document {i}: the quick brown fox jumps over the lazy dog " * 3 for i in range(200)))
+    prefix = tmp_path / "corpus"
+    r = subprocess.run([sys.executable, "-m", "megatron_cp_plugin.megatron.preprocess", "--input", str(text),
+                        "--output-prefix", str(prefix)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    log = tmp_path / "log.jsonl"
+    _pretrain("--train-iters", "8", "--data-path", str(prefix), "--context-parallel-algo", "burst", "--save",
+              str(tmp_path / "ckpt"), "--eval-interval", "4", "--log-json", str(log), nproc=2)
+    losses = _losses(log)
+    assert len(losses) == 8 and losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--cp-grid", "3x1"], "--cp-grid"),
+    (["--cp-grid", "2x1", "--context-parallel-algo", "ring"], "--cp-grid"),
+    (["--seq-length", "250", "--context-parallel-algo", "ring"], "--seq-length"),
+    (["--context-parallel-size", "3"], "--context-parallel-size"),
+    (["--bf16"], "--bf16"),
+])
+def test_bad_flags_fail_at_start_up_on_every_rank(flags, needle):
+    r = _pretrain(*flags, "--train-iters", "2", nproc=2, timeout=120, check=False)
+    assert r.returncode != 0
+    failed = [line for line in r.stderr.splitlines() if line.startswith("[rank")]
+    assert len(failed) >= 1 and needle in r.stderr, r.stderr[-3000:]
+    assert "iter " not in r.stdout                                  # nothing trained
+
+
+def _children(pid):
+    kids = []
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                with open(f"/proc/{p}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        kids.append(int(p))
+            except OSError:
+                pass
+    return kids
+
+
+def test_killed_rank_ends_the_job_nonzero_within_60s(tmp_path):
+    cmd = [sys.executable, "-W", "ignore", "-m", "megatron_cp_plugin.pretrain", "--nproc", "4", *TINY,
+           "--train-iters", "100000"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in proc.stdout:                                     # wait until it trains
+            if line.startswith("iter      3"):
+                break
+        workers = [k for k in _children(proc.pid) if "multiprocessing" in open(f"/proc/{k}/cmdline").read()]
+        assert len(workers) >= 4, "worker processes not found"
+        os.kill(workers[-1], signal.SIGKILL)
+        t0 = time.time()
+        rc = proc.wait(timeout=60)
+        assert rc != 0 and time.time() - t0 < 60
+    finally:
+        if proc.poll() is None:
+            proc.kill()
