@@ -67,6 +67,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--dist-timeout", type=float, default=60.0, help="seconds a collective waits for a peer before failing")
     a("--nproc", type=int, default=None, help="spawn this many local processes (instead of torchrun)")
     a("--log-json", default=None, help="append one JSON line per logged iteration to this file")
+    a("--compare-cp1", action="store_true", help="first train the same model with CP = 1 (one process), then "
+      "this run, and print both loss curves side by side")
     add_cp_args(p)
     p.set_defaults(context_parallel_algo="attention2d")
     return p.parse_args(argv)
@@ -157,6 +159,9 @@ class Trainer:
             context_parallel_size=args.context_parallel_size, normalization="RMSNorm", bf16=args.bf16,
             params_dtype=dtype, use_cpu_initialization=not self.gpu, calculate_per_token_loss=True)
         torch.manual_seed(args.seed)
+        if self.gpu:                                   # Megatron initialises GPU weights from its RNG tracker
+            from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+            model_parallel_cuda_manual_seed(args.seed)
         model = build_gpt(config, cp_cfg, vocab_size=self.tokenizer.vocab_size,
                           seq_length=args.max_position_embeddings or args.seq_length, cp_group=self.cp_group)
         self.n_params = sum(p.numel() for p in model.parameters())
@@ -343,8 +348,32 @@ def _run(rank: int, world: int, args, port: int | None) -> None:
         os._exit(1)
 
 
+def _compare_cp1(argv: list[str], args) -> None:
+    """Run CP = 1 and then the requested run as subprocesses; print their losses side by side."""
+    import json
+    import subprocess
+    import tempfile
+
+    tmp = tempfile.mkdtemp(prefix="megatron-cp-compare-")
+    base = [x for x in argv if x != "--compare-cp1"]
+    runs = {"CP=1": base + ["--nproc", "1", "--context-parallel-size", "1", "--log-json", f"{tmp}/cp1.jsonl"],
+            "this run": base + ["--log-json", f"{tmp}/cp.jsonl"]}
+    for name, flags in runs.items():
+        print(f"== {name}: megatron-cp-pretrain {' '.join(flags)}", flush=True)
+        if subprocess.call([sys.executable, "-m", "megatron_cp_plugin.pretrain", *flags]) != 0:
+            sys.exit(f"megatron-cp-pretrain: the {name} run failed")
+    cp1, cp = ([json.loads(x)["loss"] for x in open(f"{tmp}/{n}.jsonl")] for n in ("cp1", "cp"))
+    print(f"\n{'iteration':>9} {'loss CP=1':>12} {'loss ' + args.context_parallel_algo:>20} {'difference':>11}")
+    for i, (a, b) in enumerate(zip(cp1, cp)):
+        print(f"{(i + 1) * args.log_interval:>9} {a:>12.6f} {b:>20.6f} {b - a:>11.2e}")
+
+
 def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
+    if args.compare_cp1 and "RANK" not in os.environ:
+        _compare_cp1(argv, args)
+        return
     if "RANK" in os.environ or not args.nproc or args.nproc == 1:
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
