@@ -17,15 +17,16 @@ class CPRotaryEmbedding(nn.Module):
     """Wraps a megatron.core RotaryEmbedding: forward(max_seq_len, offset=0, packed_seq=False, cp_group=None)
     -> [s_local, 1, 1, dim], the rows of this CP rank's tokens in `algo`'s layout."""
 
-    def __init__(self, inner: nn.Module, *, algo: str, cp_group):
+    def __init__(self, inner: nn.Module, *, algo: str, cp_group, device_of=None):
         super().__init__()
         self.inner, self.algo, self.cp_group = inner, algo, cp_group
+        self._device = device_of                   # callable -> the model's device (None: the frequencies')
         self._cache: dict = {}
 
     def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None):
         if packed_seq:
             raise ValueError("packed (THD) sequences are not supported by context-parallel attention yet")
-        key = (max_seq_len, offset)
+        key = (max_seq_len, offset, self._device() if self._device else None)
         if key not in self._cache:
             emb = self._full_table(max_seq_len, offset)
             size, rank = self.cp_group.size(), self.cp_group.rank()
@@ -34,17 +35,15 @@ class CPRotaryEmbedding(nn.Module):
         return self._cache[key]
 
     def _full_table(self, max_seq_len: int, offset: int) -> torch.Tensor:
-        """[S, 1, 1, dim] for the whole sequence: Megatron's get_emb, except that on a machine without a GPU
-        the frequencies stay on the CPU (get_emb moves them to CUDA unconditionally)."""
+        """[S, 1, 1, dim] for the whole sequence, as Megatron's get_emb, on the model's device (get_emb would
+        move the frequencies to CUDA unconditionally, which fails without a GPU and misplaces CPU models)."""
         inner = self.inner
-        if torch.cuda.is_available():
-            return inner.get_emb(max_seq_len, offset)
         freqs = inner.get_freqs_non_repeated(max_seq_len, offset)      # [S, dim / 2]
         if inner.rotary_interleaved:
             emb = torch.stack((freqs, freqs), dim=-1).view(freqs.shape[0], -1)
         else:
             emb = torch.cat((freqs, freqs), dim=-1)
-        return emb[:, None, None, :]
+        return emb[:, None, None, :].to(self._device() if self._device else emb.device)
 
     def __getattr__(self, name):                                   # get_rotary_seq_len, get_cos_sin, ...
         try:
@@ -60,5 +59,7 @@ def install_cp_rope(model, *, algo: str, cp_group):
         m = m.module
     rope = getattr(m, "rotary_pos_emb", None)
     if rope is not None and not isinstance(rope, CPRotaryEmbedding):
-        m.rotary_pos_emb = CPRotaryEmbedding(rope, algo=algo, cp_group=cp_group)
+        owner = m
+        m.rotary_pos_emb = CPRotaryEmbedding(rope, algo=algo, cp_group=cp_group,
+                                             device_of=lambda: next(owner.parameters()).device)
     return model
