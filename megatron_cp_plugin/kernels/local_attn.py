@@ -9,7 +9,8 @@ global output (or `delta` = rowsum(dO * o) in its place), so the backward of any
 after the forward's merge (FlashAttention-2's backward, applied per block).
 
 Masks: "none"; "causal" (key j visible to query i iff j <= i, needs sq == sk); "causal_strict" (j < i,
-needs sq == sk; row 0 sees no key: o = 0, lse = -inf, and its gradients are 0).
+needs sq == sk; row 0 sees no key: o = 0, lse = -inf, and its gradients are 0); in block_fwd only, a bool
+tensor [b, sq, sk] (True = visible), run by the math kernel (decoding: ragged caches, speculative tokens).
 
 Backends:
   "cudnn"       torch.ops.aten._scaled_dot_product_cudnn_attention(+_backward); 603-616 TFLOP/s fwd on
@@ -91,9 +92,13 @@ def select_backend(device: torch.device, dtype: torch.dtype, head_dim: int, back
 
 
 def _check(q, k, v, mask):
-    if mask not in MASKS:
+    if isinstance(mask, torch.Tensor):
+        if mask.dtype != torch.bool or tuple(mask.shape) != (q.shape[0], q.shape[1], k.shape[1]):
+            raise ValueError(f"a tensor mask must be bool [b, sq, sk] = {(q.shape[0], q.shape[1], k.shape[1])}, "
+                             f"got {mask.dtype} {tuple(mask.shape)}")
+    elif mask not in MASKS:
         raise ValueError(f"mask must be one of {MASKS}, got {mask!r}")
-    if mask != "none" and q.shape[1] != k.shape[1]:
+    elif mask != "none" and q.shape[1] != k.shape[1]:
         raise ValueError(f"mask={mask!r} needs as many queries as keys, got sq={q.shape[1]}, sk={k.shape[1]}")
     if q.shape[2] % k.shape[2] != 0 or k.shape != v.shape:
         raise ValueError(f"bad block shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
@@ -105,6 +110,12 @@ def block_fwd(q, k, v, *, mask: str = "none", scale: float | None = None, backen
     """Attention of q over k, v with `mask`: (o [b, sq, h, d] in q.dtype, lse [b, h, sq] fp32; fp64 for fp64)."""
     _check(q, k, v, mask)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if isinstance(mask, torch.Tensor):                # forward only (decoding): the math kernel takes any mask
+        if backend not in (None, "math"):
+            raise ValueError(f"backend={backend!r} cannot run a tensor mask; use backend='math' or None")
+        if q.shape[1] == 0 or k.shape[1] == 0:
+            return _empty_result(q)
+        return _math_fwd(q, k, v, mask, scale, chunk_size)
     backend = select_backend(q.device, q.dtype, q.shape[-1], backend)
     sq = q.shape[1]
     if mask == "causal_strict":
@@ -163,9 +174,13 @@ def _empty_result(q):
 
 
 def _scores(qc, kc, scale, causal, i0, j0):
-    """qc [b, cq, hk, g, d], kc [b, ck, hk, d] -> masked scores [b, hk, g, cq, ck]."""
+    """qc [b, cq, hk, g, d], kc [b, ck, hk, d] -> masked scores [b, hk, g, cq, ck]; `causal` is a bool or a
+    visibility tensor [b, sq, sk] of the whole block."""
     s = torch.einsum("bqhgd,bkhd->bhgqk", qc, kc) * scale
-    if causal:
+    if isinstance(causal, torch.Tensor):
+        vis = causal[:, i0:i0 + qc.shape[1], j0:j0 + kc.shape[1]]
+        s = s.masked_fill(~vis[:, None, None], float("-inf"))
+    elif causal:
         qi = torch.arange(i0, i0 + qc.shape[1], device=qc.device)
         kj = torch.arange(j0, j0 + kc.shape[1], device=qc.device)
         s = s.masked_fill(kj[None, :] > qi[:, None], float("-inf"))
@@ -181,7 +196,7 @@ def _math_fwd(q, k, v, causal, scale, chunk):
     for i0 in range(0, sq, chunk):
         i1 = min(i0 + chunk, sq)
         qc = q[:, i0:i1].to(acc).reshape(b, i1 - i0, hk, g, d)
-        for j0 in range(0, min(sk, i1) if causal else sk, chunk):
+        for j0 in range(0, min(sk, i1) if causal is True else sk, chunk):
             j1 = min(j0 + chunk, sk)
             s = _scores(qc, k[:, j0:j1].to(acc), scale, causal, i0, j0)
             m = _finite(s.amax(-1, keepdim=True))

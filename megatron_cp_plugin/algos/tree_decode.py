@@ -1,0 +1,126 @@
+"""Tree decoding (tree-attention.txt, Alg. 3): attention of a few new query tokens over a KV cache sharded
+along the sequence, with one small collective merge instead of moving the cache.
+
+Every rank holds the same queries q [b, n_q, h, d] and its own slice of the cache k, v [b, s_local, h_kv, d]
+(any length, zero included, and its own order). Alg. 3:
+  line 2  local flash-decoding: the partial (o, lse) of the queries over the local keys;
+  line 3  m = Allreduce(max, lse);
+  line 4  n = o * exp(lse - m), d = exp(lse - m);
+  line 5  n_g = Allreduce(sum, n), d_g = Allreduce(sum, d);
+  line 6  out = n_g / d_g.
+Variants (`variant=`), the same result:
+  "allreduce3"  the paper's three all-reduces;
+  "allreduce2"  max, then n and d packed into one sum all-reduce;
+  "allgather"   one all-gather of the packed (o, lse) of every rank, merged locally (`merge_`).
+Masks: `kv_positions` [b, s_local] gives each local key's global position (-1: an empty slot, which is how a
+batch of different lengths is padded) and `q_positions` [b, n_q] each query's; a key is visible to a query iff
+0 <= kv_pos <= q_pos, which also orders several query tokens causally among themselves (speculative
+verification) once their own K, V are in the cache. Without positions every local key is visible.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..comm import all_gather, resolve_group
+from ..kernels.local_attn import acc_dtype, block_fwd
+from ..kernels.merge import _finite, merge_
+
+VARIANTS = ("allreduce3", "allreduce2", "allgather")
+DEFAULT_VARIANT = "allgather"
+
+
+def _visibility(b, n_q, s, kv_positions, q_positions, device):
+    """Bool [b, n_q, s] or None (everything visible)."""
+    if kv_positions is None and q_positions is None:
+        return None
+    kv = kv_positions if kv_positions is not None else torch.arange(s, device=device).expand(b, s)
+    vis = (kv >= 0)[:, None, :].expand(b, n_q, s)
+    if q_positions is not None:
+        vis = vis & (kv[:, None, :] <= q_positions[:, :, None])
+    return vis
+
+
+def _check(q, k, v, group, variant, kv_positions, q_positions, validate):
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D tensor [batch, seq, heads, head_dim]")
+    if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
+        raise ValueError(f"k, v [b, s_local, h_kv, d] must match each other and q {tuple(q.shape)} in batch and "
+                         f"head_dim, got k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"q heads ({q.shape[2]}) must be divisible by k, v heads ({k.shape[2]})")
+    if k.dtype != q.dtype or v.dtype != q.dtype or k.device != q.device or v.device != q.device:
+        raise ValueError("q, k, v must share one dtype and device")
+    if kv_positions is not None and tuple(kv_positions.shape) != tuple(k.shape[:2]):
+        raise ValueError(f"kv_positions must be [b, s_local] = {tuple(k.shape[:2])}, got {tuple(kv_positions.shape)}")
+    if q_positions is not None and tuple(q_positions.shape) != tuple(q.shape[:2]):
+        raise ValueError(f"q_positions must be [b, n_q] = {tuple(q.shape[:2])}, got {tuple(q_positions.shape)}")
+    group = resolve_group(group)
+    if validate and dist.get_world_size(group) > 1:
+        # One tiny all-gather, so that ranks disagreeing on shapes raise together instead of hanging.
+        dev = q.device if q.device.type == "cuda" else torch.device("cpu")
+        meta = torch.tensor([*q.shape, k.shape[2], VARIANTS.index(variant), q_positions is not None], device=dev)
+        metas = [torch.empty_like(meta) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(metas, meta, group=group)
+        if any(not torch.equal(m, metas[0]) for m in metas):
+            raise ValueError("q must be replicated: every rank of the group must pass the same q shape "
+                             f"[b, n_q, h, d], k/v heads, variant and masking, got {[m.tolist() for m in metas]}")
+    return group
+
+
+def tree_decode(q, k, v, *, group=None, softmax_scale: float | None = None, variant: str = DEFAULT_VARIANT,
+                kv_positions: torch.Tensor | None = None, q_positions: torch.Tensor | None = None,
+                backend: str | None = None, validate: bool = True) -> torch.Tensor:
+    """Decode-time attention over a KV cache sharded over `group` (no autograd).
+
+    q [b, n_q, h, d] replicated on every rank; k, v [b, s_local, h_kv, d] this rank's cache shard.
+    Returns [b, n_q, h, d] on every rank. `validate=False` skips the shape agreement check (one tiny
+    all-gather) for a generation loop that has already validated its shapes.
+    """
+    group = _check(q, k, v, group, variant, kv_positions, q_positions, validate)
+    b, n_q, h, d = q.shape
+    with torch.no_grad():
+        # Line 2: the local partial; a fused kernel when every key is visible, else the masked math kernel.
+        vis = _visibility(b, n_q, k.shape[1], kv_positions, q_positions, q.device)
+        o, lse = block_fwd(q, k, v, mask="none" if vis is None else vis, scale=softmax_scale, backend=backend)
+        acc = acc_dtype(q.dtype)
+        o, lse = o.to(acc), lse.to(acc)                                  # [b, n_q, h, d], [b, h, n_q]
+        if dist.get_world_size(group) > 1:
+            o, lse = _MERGE[variant](group, o, lse)
+    if torch.isinf(lse).any():
+        raise ValueError("tree_decode: a query sees no key on any rank (the KV cache is empty everywhere, or "
+                         "every key is masked for it)")
+    return o.to(q.dtype)
+
+
+def _allreduce(group, o, lse, packed: bool):
+    m = lse.clone()
+    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)              # line 3
+    m = _finite(m)
+    w = torch.exp(lse - m)                                             # line 4: d
+    n = o * w.transpose(1, 2).unsqueeze(-1)                            #         n
+    if packed:
+        buf = torch.cat([n.flatten(), w.flatten()])
+        dist.all_reduce(buf, group=group)
+        n, w = buf[:n.numel()].view_as(n), buf[n.numel():].view_as(w)
+    else:                                                              # line 5: the paper's two more
+        dist.all_reduce(n, group=group)
+        dist.all_reduce(w, group=group)
+    out = n / torch.where(w > 0, w, torch.ones_like(w)).transpose(1, 2).unsqueeze(-1)   # line 6
+    return out, m + torch.log(w)
+
+
+def _allgather(group, o, lse):
+    parts = all_gather(group, torch.cat([o.flatten(), lse.flatten()]))   # [world, n_o + n_lse]
+    out, acc = torch.zeros_like(o), torch.full_like(lse, float("-inf"))
+    for r in range(parts.shape[0]):
+        merge_(out, acc, parts[r, :o.numel()].view_as(o), parts[r, o.numel():].view_as(lse))
+    return out, acc
+
+
+_MERGE = {"allreduce3": lambda g, o, l: _allreduce(g, o, l, packed=False),
+          "allreduce2": lambda g, o, l: _allreduce(g, o, l, packed=True),
+          "allgather": _allgather}

@@ -1,0 +1,107 @@
+"""tree_decode against an fp64 reference of the unsharded cache, on gloo with P = 1..4, every variant."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import megatron_cp_plugin as mcp
+from megatron_cp_plugin.algos.tree_decode import VARIANTS
+
+from .dist_pool import DistPool
+
+
+@pytest.fixture(scope="module")
+def pools():
+    made = {}
+
+    def get(p):
+        if p not in made:
+            made[p] = DistPool(p)
+        return made[p]
+
+    yield get
+    for pool in made.values():
+        pool.close()
+
+
+def _reference(q, k, v, vis):
+    """fp64 attention of q [b, n, h, d] over the whole cache k, v [b, S, h_kv, d], vis [b, n, S]."""
+    g = q.shape[2] // k.shape[2]
+    kk, vv = k.double().repeat_interleave(g, 2), v.double().repeat_interleave(g, 2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q.double(), kk) * q.shape[-1] ** -0.5
+    s = s.masked_fill(~vis[:, None], float("-inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), vv)
+
+
+def _split(total, world, rank, seed):
+    """Uneven shard lengths summing to `total`; some ranks get none when world > 1."""
+    g = torch.Generator().manual_seed(seed)
+    cuts = sorted(torch.randint(0, total + 1, (world - 1,), generator=g).tolist())
+    if world > 2:
+        cuts[0] = 0                                              # rank 0 always empty: an empty shard
+    bounds = [0] + cuts + [total]
+    return bounds[rank], bounds[rank + 1]
+
+
+def _cases(rank, world, variant):
+    bad = []
+    for i, ((h, hk), n_q, ragged, dtype) in enumerate(itertools.product(
+            ((4, 4), (8, 2)), (1, 3), (False, True), (torch.float32, torch.float64))):
+        g = torch.Generator().manual_seed(100 + i)
+        b, S, d = 2, 37, 16
+        q = torch.randn(b, n_q, h, d, generator=g).to(dtype)
+        k, v = (torch.randn(b, S, hk, d, generator=g).to(dtype) for _ in range(2))
+        # Global positions: sequence 0 has all S tokens, sequence 1 only its first 29 when ragged; the n_q
+        # queries are the last n_q tokens of each sequence and see keys at positions <= their own.
+        lens = torch.tensor([S, 29 if ragged else S])
+        pos = torch.arange(S).expand(b, S).clone()
+        pos[pos >= lens[:, None]] = -1
+        q_pos = lens[:, None] - n_q + torch.arange(n_q)[None, :]
+        vis = (pos[:, None, :] >= 0) & (pos[:, None, :] <= q_pos[:, :, None])
+        ref = _reference(q, k, v, vis)
+        # This rank's shard: a contiguous uneven slice, stored in reverse order (order must not matter).
+        lo, hi = _split(S, world, rank, seed=i)
+        sl = slice(lo, hi)
+        kl, vl, pl = (t[:, sl].flip(1) for t in (k, v, pos))
+        masked = n_q > 1 or ragged
+        out = mcp.tree_decode(q, kl, vl, variant=variant, kv_positions=pl if masked else None,
+                              q_positions=q_pos if masked else None)
+        err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
+        tol = 1e-5 if dtype == torch.float32 else 1e-12
+        if not err <= tol:
+            bad.append(f"P={world} rank {rank} {variant} h={h}/{hk} n_q={n_q} ragged={ragged} {dtype}: {err:.3g}")
+    assert not bad, "\n".join(bad)
+    return True
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("world", (1, 2, 3, 4))
+def test_tree_decode_matches_fp64_reference(pools, world, variant):
+    assert all(pools(world).run(_cases, variant))
+
+
+def _bad(rank, world, case):
+    q = torch.randn(1, 1, 4, 8)
+    k = v = torch.randn(1, 5, 2, 8)
+    kw = {}
+    if case == "q_not_replicated":
+        q = torch.randn(1, 1 + rank, 4, 8)
+    elif case == "heads":
+        k = v = torch.randn(1, 5, 3, 8)
+    elif case == "empty_everywhere":
+        k = v = torch.randn(1, 0, 2, 8)
+    elif case == "variant":
+        kw["variant"] = "nope"
+    mcp.tree_decode(q, k, v, **kw)
+    return "no error"
+
+
+@pytest.mark.parametrize("case,needle", [("q_not_replicated", "replicated"), ("heads", "heads"),
+                                         ("empty_everywhere", "empty"), ("variant", "variant")])
+def test_tree_decode_bad_input_raises_everywhere(pools, case, needle):
+    out = pools(3).run_outcomes(_bad, case, timeout=60)
+    for rank, (ok, val) in out.items():
+        assert not ok and val[0] == "ValueError" and needle in val[1], (rank, val)
