@@ -105,3 +105,19 @@ def test_tree_decode_bad_input_raises_everywhere(pools, case, needle):
     out = pools(3).run_outcomes(_bad, case, timeout=60)
     for rank, (ok, val) in out.items():
         assert not ok and val[0] == "ValueError" and needle in val[1], (rank, val)
+
+
+def _ring_vs_tree(rank, world):
+    from megatron_cp_plugin.algos.ring_decode import ring_decode
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(2, 1, 8, 16, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 12 * world, 2, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    ref = _reference(q, k, v, torch.ones(2, 1, 12 * world, dtype=torch.bool))
+    sl = slice(12 * rank, 12 * (rank + 1))
+    return max((ring_decode(q, k[:, sl], v[:, sl]) - ref).abs().max().item(),
+               (mcp.tree_decode(q, k[:, sl], v[:, sl]) - ref).abs().max().item())
+
+
+@pytest.mark.parametrize("world", (1, 3))
+def test_ring_decode_baseline_matches_reference(pools, world):
+    assert max(pools(world).run(_ring_vs_tree)) <= 1e-12

@@ -27,7 +27,7 @@ from ..kernels.local_attn import acc_dtype, block_fwd
 from ..kernels.merge import _finite, merge_
 
 VARIANTS = ("allreduce3", "allreduce2", "allgather")
-DEFAULT_VARIANT = "allgather"
+DEFAULT_VARIANT = "allreduce2"   # fastest or tied in docs/results/decode.md (2 x H200, 32k-512k)
 
 
 def _visibility(b, n_q, s, kv_positions, q_positions, device):
@@ -78,7 +78,8 @@ def tree_decode(q, k, v, *, group=None, softmax_scale: float | None = None, vari
 
     q [b, n_q, h, d] replicated on every rank; k, v [b, s_local, h_kv, d] this rank's cache shard.
     Returns [b, n_q, h, d] on every rank. `validate=False` skips the shape agreement check (one tiny
-    all-gather) for a generation loop that has already validated its shapes.
+    all-gather) and the empty-cache check (a device-to-host read), for a generation loop that has already
+    validated its shapes and cache.
     """
     group = _check(q, k, v, group, variant, kv_positions, q_positions, validate)
     b, n_q, h, d = q.shape
@@ -90,7 +91,8 @@ def tree_decode(q, k, v, *, group=None, softmax_scale: float | None = None, vari
         o, lse = o.to(acc), lse.to(acc)                                  # [b, n_q, h, d], [b, h, n_q]
         if dist.get_world_size(group) > 1:
             o, lse = _MERGE[variant](group, o, lse)
-    if torch.isinf(lse).any():
+    # The check reads a value back to the host (a stall per call): done with the validation only.
+    if validate and torch.isinf(lse).any():
         raise ValueError("tree_decode: a query sees no key on any rank (the KV cache is empty everywhere, or "
                          "every key is masked for it)")
     return o.to(q.dtype)
