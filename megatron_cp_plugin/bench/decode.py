@@ -44,6 +44,8 @@ def main(argv=None):
                for var in VARIANTS}
         fns["ring-decode"] = lambda: ring_decode(q, k, v)
         fns["local shard only (no merge)"] = lambda: block_fwd(q, k, v)
+        small = torch.zeros(a.heads * (a.head_dim + 1), device=dev)
+        fns["one all_reduce of (o, lse) bytes"] = lambda: dist.all_reduce(small)
         res = {}
         for name, fn in fns.items():
             t = time_ms(fn, warmup=5, iters=a.iters)
