@@ -13,7 +13,9 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
 from ..algos import context_parallel_attention, layout_of
+from ..algos.tree_decode import tree_decode
 from ..comm import get_grid
+from ..sharding import sequence_positions
 
 
 class CPCoreAttention(MegatronModule):
@@ -38,6 +40,7 @@ class CPCoreAttention(MegatronModule):
             raise ValueError(f"attn_mask_type={attn_mask_type.name}: supported are causal and no_mask")
         self.algo, self.backend, self.attn_mask_type = algo, backend, attn_mask_type
         self.layer_number = layer_number
+        self.decode_state = None                  # set by inference.install_decode_state for generation
         self.softmax_scale = softmax_scale if softmax_scale is not None else config.softmax_scale
         cp = pg_collection.cp if pg_collection is not None else parallel_state.get_context_parallel_group()
         self.group = cp
@@ -55,11 +58,26 @@ class CPCoreAttention(MegatronModule):
             raise ValueError("attention_bias is not supported by context-parallel attention")
         if mask_type not in (AttnMaskType.causal, AttnMaskType.no_mask):
             raise ValueError(f"attn_mask_type={mask_type.name}: supported are causal and no_mask")
+        state = self.decode_state
+        if state is not None and state.mode == "decode":
+            return self._decode(state, query, key, value)
         if query.shape[0] != key.shape[0]:
-            raise ValueError(f"query has {query.shape[0]} tokens and key {key.shape[0]}: decoding with a KV cache "
-                             "over a context-parallel group is tree decoding, not this module")
+            raise ValueError(f"query has {query.shape[0]} tokens and key {key.shape[0]}: Megatron's own KV cache is "
+                             "not context-parallel; generate with megatron_cp_plugin.inference (tree decoding)")
         q, k, v = (x.transpose(0, 1) for x in (query, key, value))  # [b, s, h, d] views
         o = context_parallel_attention(q, k, v, algo=self.algo, group=self.group,
                                        causal=mask_type == AttnMaskType.causal, softmax_scale=self.softmax_scale,
                                        backend=self.backend)
+        if state is not None and state.mode == "prefill":  # keep this rank's K, V shard for decoding
+            cp = state.cp_group
+            pos = sequence_positions(k.shape[1] * cp.size(), algo=self.algo, rank=cp.rank(), world_size=cp.size())
+            state.store_prefill(self.layer_number, k.contiguous(), v.contiguous(), pos.to(k.device)[None])
+        return o.transpose(0, 1).reshape(query.shape[0], query.shape[1], -1)
+
+    def _decode(self, state, query, key, value):
+        """One new token [1, b, ., hn], replicated: append its K, V round-robin, attend with tree decoding."""
+        q, k, v = (x.transpose(0, 1) for x in (query, key, value))
+        ck, cv = state.append(self.layer_number, k.contiguous(), v.contiguous())
+        kw = {"variant": state.variant} if state.variant else {}
+        o = tree_decode(q, ck, cv, group=state.cp_group, softmax_scale=self.softmax_scale, validate=False, **kw)
         return o.transpose(0, 1).reshape(query.shape[0], query.shape[1], -1)

@@ -26,6 +26,9 @@ class CPRotaryEmbedding(nn.Module):
     def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None):
         if packed_seq:
             raise ValueError("packed (THD) sequences are not supported by context-parallel attention yet")
+        state = getattr(self, "decode_state", None)
+        if state is not None and state.mode == "decode":          # the one token being decoded
+            return self._full_table(1, state.position)
         key = (max_seq_len, offset, self._device() if self._device else None)
         if key not in self._cache:
             emb = self._full_table(max_seq_len, offset)

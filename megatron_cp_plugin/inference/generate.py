@@ -1,0 +1,105 @@
+"""Generation with the KV cache sharded over the context-parallel group.
+
+Prefill runs the prompt through the model with a training algorithm (ring, burst, attention2d); each rank's
+`CPCoreAttention` keeps the K, V of its own prompt tokens (in that algorithm's layout) and their global
+positions. Each decode step feeds the one new token, replicated on every rank: every layer appends the new
+token's K, V to the shard of rank `position mod P` (round-robin, so shards stay within one token of each
+other) and attends with `tree_decode`; the logits are then identical on every rank, so is the sampled token.
+No rank ever holds another rank's part of the cache.
+
+    state = DecodeState(cp_group)
+    install_decode_state(model, state)          # after install_cp_rope; training is unaffected while idle
+    tokens = generate(model, prompt [b, L], max_new_tokens=32, state=state, algo="ring")
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..sharding import sequence_positions
+
+
+class DecodeState:
+    """Shared by every layer's core attention and the RoPE wrapper of one model during generation.
+
+    mode: None (training / plain forward), "prefill" or "decode"; position: the global position of the token
+    being decoded; cache: layer number -> (k [b, s_local, h_kv, d], v, positions [b, s_local]).
+    """
+
+    def __init__(self, cp_group, variant: str | None = None):
+        self.cp_group, self.variant = cp_group, variant
+        self.mode: str | None = None
+        self.position = 0
+        self.cache: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def store_prefill(self, layer: int, k, v, positions):
+        self.cache[layer] = (k.detach(), v.detach(), positions.expand(k.shape[0], -1))
+
+    def append(self, layer: int, k, v):
+        """Add the decoded token's k, v [b, 1, h_kv, d] to this rank's shard when it owns the position."""
+        ck, cv, cp = self.cache[layer]
+        if self.position % self.cp_group.size() == self.cp_group.rank():
+            pos = torch.full((k.shape[0], 1), self.position, dtype=cp.dtype, device=cp.device)
+            ck, cv, cp = torch.cat([ck, k], 1), torch.cat([cv, v], 1), torch.cat([cp, pos], 1)
+            self.cache[layer] = (ck, cv, cp)
+        return ck, cv
+
+
+def install_decode_state(model, state: DecodeState):
+    """Point every CPCoreAttention and the CP RoPE wrapper of `model` at `state`; returns model."""
+    from ..megatron.attention import CPCoreAttention
+    from ..megatron.rope import CPRotaryEmbedding
+
+    for m in model.modules():
+        if isinstance(m, (CPCoreAttention, CPRotaryEmbedding)):
+            m.decode_state = state
+    return model
+
+
+def _sample(logits, temperature: float, top_p: float, generator):
+    """logits [b, vocab] fp32 -> token ids [b]; greedy when temperature == 0."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits / temperature, -1)
+    if top_p < 1.0:
+        sorted_p, idx = probs.sort(-1, descending=True)
+        keep = sorted_p.cumsum(-1) - sorted_p < top_p                 # the smallest set reaching top_p
+        probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p * keep)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(model, prompt: torch.Tensor, *, max_new_tokens: int, state: DecodeState, algo: str,
+             temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, on_token=None) -> torch.Tensor:
+    """prompt [b, L] (the same on every rank; L divisible by 2P for ring/burst, by P for attention2d) ->
+    the new tokens [b, max_new_tokens], identical on every rank. on_token(step, tokens [b]) is called per token."""
+    group = state.cp_group
+    P, rank = group.size(), group.rank()
+    b, L = prompt.shape
+    dev = prompt.device
+    model.eval()
+    # Prefill: the prompt in the algorithm's layout; each layer keeps its shard of K, V.
+    pos = sequence_positions(L, algo=algo, rank=rank, world_size=P).to(dev)
+    state.mode, state.cache = "prefill", {}
+    logits = model(prompt.index_select(1, pos), pos.expand(b, -1), None)   # [b, L / P, vocab]
+    last = (pos == L - 1).nonzero()
+    row = logits[:, last[0, 0]].float().contiguous() if len(last) else torch.zeros(b, logits.shape[-1], device=dev)
+    if P > 1:
+        dist.all_reduce(row, group=group)                              # the last prompt token's owner's row
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    out = []
+    state.mode = "decode"
+    try:
+        for step in range(max_new_tokens):
+            tok = _sample(row, temperature, top_p, gen)
+            out.append(tok)
+            if on_token is not None:
+                on_token(step, tok)
+            if step + 1 == max_new_tokens:
+                break
+            state.position = L + step
+            logits = model(tok[:, None], torch.full((b, 1), state.position, device=dev, dtype=torch.long), None)
+            row = logits[:, -1].float()
+    finally:
+        state.mode = None
+    return torch.stack(out, 1)
