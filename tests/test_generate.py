@@ -23,7 +23,7 @@ def pools():
         pool.close()
 
 
-def _generate(rank, world, algo, temperature=0.0):
+def _generate(rank, world, algo, temperature=0.0, prompt_len=L):
     import warnings
     warnings.filterwarnings("ignore")
     from megatron.core import parallel_state as ps
@@ -39,10 +39,10 @@ def _generate(rank, world, algo, temperature=0.0):
     model = build_gpt(tiny_config(cp_size=world), cp, vocab_size=VOCAB, seq_length=L + NEW, cp_group=cp_group)
     state = DecodeState(cp_group)
     install_decode_state(model, state)
-    prompt = torch.randint(0, VOCAB, (2, L), generator=torch.Generator().manual_seed(3))
+    prompt = torch.randint(0, VOCAB, (2, L), generator=torch.Generator().manual_seed(3))[:, :prompt_len]
     out = generate(model, prompt, max_new_tokens=NEW, state=state, algo=cp.algo, temperature=temperature,
                    top_p=0.9, seed=5)
-    shard_len = state.cache[1][0].shape[1]
+    shard_len = state.cache[1][0].shape[1] if state.cache else 0
     return out.tolist(), shard_len
 
 
@@ -65,4 +65,11 @@ def test_greedy_tokens_equal_cp1(pools, reference, world, algo):
 def test_top_p_sampling_is_the_same_on_every_rank_and_as_cp1(pools):
     ref = pools(1).run(_generate, "ring", 0.8)[0][0]
     res = pools(2).run(_generate, "burst", 0.8)
+    assert all(t == ref for t, _ in res)
+
+
+@pytest.mark.parametrize("prompt_len", (13, 3))
+def test_prompt_not_divisible_prefills_a_prefix_and_decodes_the_rest(pools, prompt_len):
+    ref = pools(1).run(_generate, "ring", 0.0, prompt_len)[0][0]
+    res = pools(4).run(_generate, "ring", 0.0, prompt_len)   # 2P = 8: 8 + 5 decode steps; 3: all decoded
     assert all(t == ref for t, _ in res)

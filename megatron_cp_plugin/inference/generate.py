@@ -9,13 +9,14 @@ No rank ever holds another rank's part of the cache.
 
     state = DecodeState(cp_group)
     install_decode_state(model, state)          # after install_cp_rope; training is unaffected while idle
-    tokens = generate(model, prompt [b, L], max_new_tokens=32, state=state, algo="ring")
+    tokens = generate(model, prompt [b, L], max_new_tokens=32, state=state, algo="ring")   # [b, 32]
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
+from ..algos import layout_of
 from ..sharding import sequence_positions
 
 
@@ -37,6 +38,8 @@ class DecodeState:
 
     def append(self, layer: int, k, v):
         """Add the decoded token's k, v [b, 1, h_kv, d] to this rank's shard when it owns the position."""
+        if layer not in self.cache:                              # nothing was prefilled
+            self.cache[layer] = (k[:, :0], v[:, :0], torch.zeros(k.shape[0], 0, dtype=torch.long, device=k.device))
         ck, cv, cp = self.cache[layer]
         if self.position % self.cp_group.size() == self.cp_group.rank():
             pos = torch.full((k.shape[0], 1), self.position, dtype=cp.dtype, device=cp.device)
@@ -68,37 +71,52 @@ def _sample(logits, temperature: float, top_p: float, generator):
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+def _prefill_multiple(algo: str, world: int) -> int:
+    return world if layout_of(algo) == "cyclic" else 2 * world
+
+
 @torch.no_grad()
 def generate(model, prompt: torch.Tensor, *, max_new_tokens: int, state: DecodeState, algo: str,
              temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, on_token=None) -> torch.Tensor:
-    """prompt [b, L] (the same on every rank; L divisible by 2P for ring/burst, by P for attention2d) ->
-    the new tokens [b, max_new_tokens], identical on every rank. on_token(step, tokens [b]) is called per token."""
+    """prompt [b, L] (the same on every rank) -> the new tokens [b, max_new_tokens], identical on every rank.
+
+    The longest prefix of the prompt that the algorithm's layout can shard (a multiple of 2P for ring and
+    burst, of P for Attention2D) is prefilled in parallel; the rest of the prompt goes through decode steps.
+    on_token(step, tokens [b]) is called for every new token (for streaming and latency measurement).
+    """
     group = state.cp_group
     P, rank = group.size(), group.rank()
     b, L = prompt.shape
     dev = prompt.device
     model.eval()
-    # Prefill: the prompt in the algorithm's layout; each layer keeps its shard of K, V.
-    pos = sequence_positions(L, algo=algo, rank=rank, world_size=P).to(dev)
+    L0 = L - L % _prefill_multiple(algo, P)
     state.mode, state.cache = "prefill", {}
-    logits = model(prompt.index_select(1, pos), pos.expand(b, -1), None)   # [b, L / P, vocab]
-    last = (pos == L - 1).nonzero()
-    row = logits[:, last[0, 0]].float().contiguous() if len(last) else torch.zeros(b, logits.shape[-1], device=dev)
-    if P > 1:
-        dist.all_reduce(row, group=group)                              # the last prompt token's owner's row
+    row = None
+    if L0:
+        # Prefill: the prompt in the algorithm's layout; each layer keeps its shard of K, V.
+        pos = sequence_positions(L0, algo=algo, rank=rank, world_size=P).to(dev)
+        logits = model(prompt[:, :L0].index_select(1, pos), pos.expand(b, -1), None)   # [b, L0 / P, vocab]
+        last = (pos == L0 - 1).nonzero()
+        row = (logits[:, last[0, 0]].float().contiguous() if len(last)
+               else torch.zeros(b, logits.shape[-1], device=dev))
+        if P > 1:
+            dist.all_reduce(row, group=group)                          # the last prefilled token's owner's row
     gen = torch.Generator(device=dev).manual_seed(seed)
     out = []
     state.mode = "decode"
     try:
-        for step in range(max_new_tokens):
-            tok = _sample(row, temperature, top_p, gen)
-            out.append(tok)
-            if on_token is not None:
-                on_token(step, tok)
-            if step + 1 == max_new_tokens:
-                break
-            state.position = L + step
-            logits = model(tok[:, None], torch.full((b, 1), state.position, device=dev, dtype=torch.long), None)
+        for position in range(L0, L + max_new_tokens):
+            if position >= L:                                          # a new token from the last logits
+                tok = _sample(row, temperature, top_p, gen)
+                out.append(tok)
+                if on_token is not None:
+                    on_token(len(out) - 1, tok)
+                if len(out) == max_new_tokens:
+                    break
+            else:                                                      # the prompt's tail, one token a step
+                tok = prompt[:, position]
+            state.position = position
+            logits = model(tok[:, None], torch.full((b, 1), position, device=dev, dtype=torch.long), None)
             row = logits[:, -1].float()
     finally:
         state.mode = None
