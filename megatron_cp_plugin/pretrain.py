@@ -27,8 +27,9 @@ import torch.distributed as dist
 from .megatron.args import add_cp_args, config_from_args
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser(description: str = __doc__) -> argparse.ArgumentParser:
+    """Megatron's model and run flags, and the plugin's (shared with megatron-cp-generate)."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
     a("--num-layers", type=int, default=2)
     a("--hidden-size", type=int, default=64)
@@ -71,7 +72,25 @@ def parse_args(argv=None) -> argparse.Namespace:
       "this run, and print both loss curves side by side")
     add_cp_args(p)
     p.set_defaults(context_parallel_algo="attention2d")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def transformer_config(args, gpu: bool):
+    """The TransformerConfig of the flags (RMSNorm, RoPE model; per-token loss for exact CP reduction)."""
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups, ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
+        attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        context_parallel_size=args.context_parallel_size, normalization="RMSNorm", bf16=args.bf16,
+        params_dtype=torch.bfloat16 if args.bf16 else torch.float32, use_cpu_initialization=not gpu,
+        calculate_per_token_loss=True)
 
 
 def _validate(args, world: int):
@@ -139,7 +158,6 @@ class Trainer:
     def __init__(self, args, cp_cfg, device):
         from megatron.core import parallel_state as ps
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-        from megatron.core.transformer import TransformerConfig
 
         from .megatron.model import build_gpt
         from .megatron.tokenizer import ByteTokenizer
@@ -150,14 +168,7 @@ class Trainer:
         self.cp_group = ps.get_context_parallel_group()
         self.dp_cp_group = ps.get_data_parallel_group(with_context_parallel=True)
         self.dp_rank = ps.get_data_parallel_rank()
-        dtype = torch.bfloat16 if args.bf16 else torch.float32
-        config = TransformerConfig(
-            num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-            num_query_groups=args.num_query_groups, ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
-            attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
-            tensor_model_parallel_size=args.tensor_model_parallel_size,
-            context_parallel_size=args.context_parallel_size, normalization="RMSNorm", bf16=args.bf16,
-            params_dtype=dtype, use_cpu_initialization=not self.gpu, calculate_per_token_loss=True)
+        config = transformer_config(args, self.gpu)
         torch.manual_seed(args.seed)
         if self.gpu:                                   # Megatron initialises GPU weights from its RNG tracker
             from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -325,7 +336,7 @@ def train(args) -> list[float]:
     return losses
 
 
-def _run(rank: int, world: int, args, port: int | None) -> None:
+def _run(rank: int, world: int, args, port: int | None, target=None) -> None:
     """One rank: set up the process group (torchrun's env or the spawn's), train, exit non-zero on error."""
     try:
         if port is not None:
@@ -340,7 +351,7 @@ def _run(rank: int, world: int, args, port: int | None) -> None:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("WORLD_SIZE", 1))))
         dist.init_process_group("nccl" if gpu else "gloo",
                                 timeout=datetime.timedelta(seconds=args.dist_timeout))
-        train(args)
+        (target or train)(args)
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - report, then leave without waiting for peers
         print(f"[rank {os.environ.get('RANK', rank)}] failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
@@ -374,6 +385,11 @@ def main(argv=None) -> None:
     if args.compare_cp1 and "RANK" not in os.environ:
         _compare_cp1(argv, args)
         return
+    launch(args, train)
+
+
+def launch(args, target) -> None:
+    """Run target(args) on every rank: under torchrun as is, else in --nproc spawned processes."""
     if "RANK" in os.environ or not args.nproc or args.nproc == 1:
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
@@ -381,7 +397,7 @@ def main(argv=None) -> None:
         if "MASTER_PORT" not in os.environ:
             from .bench._common import free_port
             os.environ["MASTER_PORT"] = str(free_port())
-        _run(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args, None)
+        _run(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args, None, target)
         return
     import multiprocessing
 
@@ -389,7 +405,7 @@ def main(argv=None) -> None:
 
     from .bench._common import free_port
     try:
-        mp.spawn(_run, args=(args.nproc, args, free_port()), nprocs=args.nproc)
+        mp.spawn(_run, args=(args.nproc, args, free_port(), target), nprocs=args.nproc)
     except Exception as e:  # noqa: BLE001 - a rank failed: make sure none is left behind, then fail
         for child in multiprocessing.active_children():
             child.kill()

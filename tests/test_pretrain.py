@@ -113,3 +113,18 @@ def test_killed_rank_ends_the_job_nonzero_within_60s(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_generate_cli_from_checkpoint_same_tokens_cp1_and_cp2(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    _pretrain("--train-iters", "3", "--save", str(ckpt), nproc=2)
+    outs = []
+    for n in (1, 2):
+        r = subprocess.run([sys.executable, "-W", "ignore", "-m", "megatron_cp_plugin.inference.cli", "--nproc", str(n),
+                            *TINY, "--load", str(ckpt), "--prompt", "Once upon a time!", "--max-new-tokens", "8"],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        line = next(x for x in r.stdout.splitlines() if x.startswith("tokens:"))
+        assert "latency:" in r.stdout
+        outs.append(line)
+    assert outs[0] == outs[1]
