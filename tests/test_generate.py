@@ -23,7 +23,7 @@ def pools():
         pool.close()
 
 
-def _generate(rank, world, algo, temperature=0.0, prompt_len=L):
+def _generate(rank, world, algo, temperature=0.0, prompt_len=L, decoder="tree"):
     import warnings
     warnings.filterwarnings("ignore")
     from megatron.core import parallel_state as ps
@@ -35,9 +35,9 @@ def _generate(rank, world, algo, temperature=0.0, prompt_len=L):
         ps.initialize_model_parallel(context_parallel_size=world)
     cp_group = ps.get_context_parallel_group()
     torch.manual_seed(0)
-    cp = CPConfig(algo=algo, cp_size=world, seq_length=L)
+    cp = CPConfig(algo=algo, cp_size=world)
     model = build_gpt(tiny_config(cp_size=world), cp, vocab_size=VOCAB, seq_length=L + NEW, cp_group=cp_group)
-    state = DecodeState(cp_group)
+    state = DecodeState(cp_group, decoder=decoder)
     install_decode_state(model, state)
     prompt = torch.randint(0, VOCAB, (2, L), generator=torch.Generator().manual_seed(3))[:, :prompt_len]
     out = generate(model, prompt, max_new_tokens=NEW, state=state, algo=cp.algo, temperature=temperature,
@@ -72,4 +72,12 @@ def test_top_p_sampling_is_the_same_on_every_rank_and_as_cp1(pools):
 def test_prompt_not_divisible_prefills_a_prefix_and_decodes_the_rest(pools, prompt_len):
     ref = pools(1).run(_generate, "ring", 0.0, prompt_len)[0][0]
     res = pools(4).run(_generate, "ring", 0.0, prompt_len)   # 2P = 8: 8 + 5 decode steps; 3: all decoded
+    assert all(t == ref for t, _ in res)
+
+
+@pytest.mark.parametrize("world", (2, 3))
+def test_ring_decode_baseline_gives_the_same_tokens(pools, reference, world):
+    L_ok = L - L % (2 * world)
+    ref = reference if L_ok == L else pools(1).run(_generate, "ring", 0.0, L_ok)[0][0]
+    res = pools(world).run(_generate, "ring", 0.0, L_ok, "ring")
     assert all(t == ref for t, _ in res)

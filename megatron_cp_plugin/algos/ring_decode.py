@@ -1,6 +1,7 @@
 """Ring decoding: the baseline tree decoding is measured against (Ring Attention applied to decoding).
 
-q [b, n_q, h, d] replicated; k, v [b, s_local, h_kv, d] this rank's cache shard, all shards the same length.
+q [b, n_q, h, d] replicated; k, v [b, s_local, h_kv, d] this rank's cache shard, all shards the same length
+(pad shorter ones and mark the padding with kv_positions = -1; positions travel with their K, V).
 Each rank passes its K, V shard round the ring (P - 1 steps, the next transfer posted before the current
 block's compute) and merges the partial of every shard into its output, so every rank moves the whole
 cache once per decoded token, where tree decoding moves one (o, lse) per query.
@@ -14,17 +15,20 @@ from ..kernels.local_attn import acc_dtype, block_fwd
 from ..kernels.merge import merge_
 
 
-def ring_decode(q, k, v, *, group=None, softmax_scale: float | None = None, backend: str | None = None):
-    """[b, n_q, h, d] attention of replicated q over every rank's k, v shard (no autograd)."""
+def ring_decode(q, k, v, *, group=None, softmax_scale: float | None = None, backend: str | None = None,
+                kv_positions: torch.Tensor | None = None):
+    """[b, n_q, h, d] attention of replicated q over every rank's k, v shard (no autograd).
+    kv_positions [b, s_local]: -1 marks padding (ragged shards); other values only need to be >= 0."""
     group = resolve_group(group)
     ring = Ring(group, "forward")
     with torch.no_grad():
         o = lse = None
-        kv = (k, v)
+        kv = (k, v) if kv_positions is None else (k, v, kv_positions)
         for step in range(ring.world):
             if step + 1 < ring.world:
                 nxt = ring.send_recv(kv)
-            o_b, lse_b = block_fwd(q, kv[0], kv[1], mask="none", scale=softmax_scale, backend=backend)
+            mask = "none" if kv_positions is None else (kv[2] >= 0)[:, None, :].expand(q.shape[0], q.shape[1], -1)
+            o_b, lse_b = block_fwd(q, kv[0], kv[1], mask=mask, scale=softmax_scale, backend=backend)
             if o is None:
                 o, lse = o_b.to(acc_dtype(q.dtype)), lse_b.clone()
             else:

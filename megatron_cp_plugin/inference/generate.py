@@ -25,10 +25,13 @@ class DecodeState:
 
     mode: None (training / plain forward), "prefill" or "decode"; position: the global position of the token
     being decoded; cache: layer number -> (k [b, s_local, h_kv, d], v, positions [b, s_local]).
+    decoder: "tree" (tree_decode, `variant`) or "ring" (the ring-decode baseline: K, V shards go round).
     """
 
-    def __init__(self, cp_group, variant: str | None = None):
-        self.cp_group, self.variant = cp_group, variant
+    def __init__(self, cp_group, variant: str | None = None, decoder: str = "tree"):
+        if decoder not in ("tree", "ring"):
+            raise ValueError(f"decoder must be 'tree' or 'ring' (the ring-decode baseline), got {decoder!r}")
+        self.cp_group, self.variant, self.decoder = cp_group, variant, decoder
         self.mode: str | None = None
         self.position = 0
         self.cache: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -45,7 +48,7 @@ class DecodeState:
             pos = torch.full((k.shape[0], 1), self.position, dtype=cp.dtype, device=cp.device)
             ck, cv, cp = torch.cat([ck, k], 1), torch.cat([cv, v], 1), torch.cat([cp, pos], 1)
             self.cache[layer] = (ck, cv, cp)
-        return ck, cv
+        return ck, cv, cp
 
 
 def install_decode_state(model, state: DecodeState):

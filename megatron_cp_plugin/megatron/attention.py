@@ -13,6 +13,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
 from ..algos import context_parallel_attention, layout_of
+from ..algos.ring_decode import ring_decode
 from ..algos.tree_decode import tree_decode
 from ..comm import get_grid
 from ..sharding import sequence_positions
@@ -77,7 +78,14 @@ class CPCoreAttention(MegatronModule):
     def _decode(self, state, query, key, value):
         """One new token [1, b, ., hn], replicated: append its K, V round-robin, attend with tree decoding."""
         q, k, v = (x.transpose(0, 1) for x in (query, key, value))
-        ck, cv = state.append(self.layer_number, k.contiguous(), v.contiguous())
-        kw = {"variant": state.variant} if state.variant else {}
-        o = tree_decode(q, ck, cv, group=state.cp_group, softmax_scale=self.softmax_scale, validate=False, **kw)
+        ck, cv, cpos = state.append(self.layer_number, k.contiguous(), v.contiguous())
+        if state.decoder == "ring":                   # the baseline: pad every shard to the longest, pass round
+            pad = -(-(state.position + 1) // state.cp_group.size()) - ck.shape[1]
+            if pad:
+                ck, cv = (torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)) for x in (ck, cv))
+                cpos = torch.nn.functional.pad(cpos, (0, pad), value=-1)
+            o = ring_decode(q, ck, cv, group=state.cp_group, softmax_scale=self.softmax_scale, kv_positions=cpos)
+        else:
+            kw = {"variant": state.variant} if state.variant else {}
+            o = tree_decode(q, ck, cv, group=state.cp_group, softmax_scale=self.softmax_scale, validate=False, **kw)
         return o.transpose(0, 1).reshape(query.shape[0], query.shape[1], -1)
