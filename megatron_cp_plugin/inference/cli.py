@@ -30,6 +30,8 @@ def _args(argv=None):
     g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--decode-variant", choices=("allreduce3", "allreduce2", "allgather"), default=None)
+    g.add_argument("--decoder", choices=("tree", "ring"), default="tree",
+                   help="tree decoding, or the ring-decode baseline (K, V shards passed round every step)")
     return p.parse_args(argv)
 
 
@@ -70,7 +72,7 @@ def _generate(args) -> None:
         loaded = dist_checkpointing.load({"model": model.sharded_state_dict(prefix="model.")},
                                          os.path.join(args.load, f"iter_{it:07d}"))
         model.load_state_dict(loaded["model"], strict=False)
-    state = DecodeState(cp_group, variant=args.decode_variant)
+    state = DecodeState(cp_group, variant=args.decode_variant, decoder=args.decoder)
     install_decode_state(model, state)
     prompt = torch.tensor([ids], device=device)
     stamps = [time.perf_counter()]
@@ -85,8 +87,8 @@ def _generate(args) -> None:
     lat = [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:])]
     if rank == 0:
         new = out[0].tolist()
-        print(f"megatron-cp-generate: {world} ranks, prefill {cp_cfg.algo}, decode tree_decode"
-              f"({args.decode_variant or 'default'}), prompt {len(ids)} tokens")
+        how = "ring-decode" if args.decoder == "ring" else f"tree_decode({args.decode_variant or 'default'})"
+        print(f"megatron-cp-generate: {world} ranks, prefill {cp_cfg.algo}, decode {how}, prompt {len(ids)} tokens")
         print("tokens:", new)
         print("text:", repr(tok.detokenize(new)))
         print(f"latency: first token (prefill) {lat[0]:.1f} ms; then per token " +
