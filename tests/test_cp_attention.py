@@ -11,27 +11,12 @@ import megatron_cp_plugin as mcp
 from megatron_cp_plugin.kernels.local_attn import block_bwd, block_fwd
 from megatron_cp_plugin.kernels.reference import attention_reference
 
-from .dist_pool import DistPool
 
 WORLD_SIZES = (1, 2, 3, 4)
 GRID_WORLD_SIZES = (1, 2, 3, 4, 6, 8, 9)       # Attention2D: square and rectangular grids
 HEADS = ((4, 4), (8, 2))          # MHA and GQA with h / h_kv = 4
 HEAD_DIMS = (16, 24)
 BATCH = 2
-
-
-@pytest.fixture(scope="module")
-def pools():
-    made = {}
-
-    def get(p):
-        if p not in made:
-            made[p] = DistPool(p)
-        return made[p]
-
-    yield get
-    for pool in made.values():
-        pool.close()
 
 
 def _inputs(seed, seq, h, hk, d, dtype):

@@ -4,23 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from .dist_pool import DistPool
 
 L, NEW, VOCAB = 16, 32, 257
-
-
-@pytest.fixture(scope="module")
-def pools():
-    made = {}
-
-    def get(p):
-        if p not in made:
-            made[p] = DistPool(p)
-        return made[p]
-
-    yield get
-    for pool in made.values():
-        pool.close()
 
 
 def _generate(rank, world, algo, temperature=0.0, prompt_len=L, decoder="tree"):

@@ -7,23 +7,8 @@ import torch.distributed as dist
 
 import megatron_cp_plugin as mcp
 
-from .dist_pool import DistPool
 
 SEQ, VOCAB = 256, 257
-
-
-@pytest.fixture(scope="module")
-def pools():
-    made = {}
-
-    def get(p):
-        if p not in made:
-            made[p] = DistPool(p)
-        return made[p]
-
-    yield get
-    for pool in made.values():
-        pool.close()
 
 
 def _init_mpu(world):

@@ -10,22 +10,6 @@ import torch.distributed as dist
 import megatron_cp_plugin as mcp
 from megatron_cp_plugin.algos.tree_decode import VARIANTS
 
-from .dist_pool import DistPool
-
-
-@pytest.fixture(scope="module")
-def pools():
-    made = {}
-
-    def get(p):
-        if p not in made:
-            made[p] = DistPool(p)
-        return made[p]
-
-    yield get
-    for pool in made.values():
-        pool.close()
-
 
 def _reference(q, k, v, vis):
     """fp64 attention of q [b, n, h, d] over the whole cache k, v [b, S, h_kv, d], vis [b, n, S]."""

@@ -33,6 +33,13 @@ def init_distributed():
     return dist.get_rank(), dist.get_world_size(), dev
 
 
+def gather_max(x: float) -> float:
+    """The largest of every rank's x (the slowest rank sets a step's time)."""
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, x)
+    return max(out)
+
+
 def time_ms(fn, *, warmup: int = 3, iters: int = 10) -> float:
     """Median wall time of fn() in ms: CUDA events around each call after `warmup` calls (perf_counter on CPU)."""
     for _ in range(warmup):

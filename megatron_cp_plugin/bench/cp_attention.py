@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 import megatron_cp_plugin as mcp
-from megatron_cp_plugin.bench._common import FLOP_FORMULA, attention_flop, init_distributed, time_ms, write_report
+from megatron_cp_plugin.bench._common import (FLOP_FORMULA, attention_flop, gather_max, init_distributed, time_ms,
+                                              write_report)
 from megatron_cp_plugin.kernels.local_attn import block_bwd, block_fwd, select_backend
 
 
@@ -83,7 +84,7 @@ def main(argv=None):
             fwd, fwd_bwd, stats = _cp(algo, q, k, v, do, causal, group)
             t1 = time_ms(fwd, warmup=a.warmup, iters=a.iters)
             t2 = time_ms(fwd_bwd, warmup=a.warmup, iters=a.iters)
-            t1, t2 = (max(x) for x in zip(*_gather((t1, t2))))   # the slowest rank sets the step time
+            t1, t2 = gather_max(t1), gather_max(t2)
             if rank == 0:
                 calls = a.warmup + a.iters + 1
                 rows.append({"S": s, "algo": algo, "P": world, "fwd_ms": t1, "fwd_bwd_ms": t2,
@@ -99,12 +100,6 @@ def main(argv=None):
                   f"{world} x {name}{link}. {FLOP_FORMULA}. Median of {a.iters} after {a.warmup} warm-up.")
         print(write_report(rows, a.out, header))
     dist.destroy_process_group()
-
-
-def _gather(x):
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, x)
-    return out
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import megatron_cp_plugin as mcp
 from megatron_cp_plugin.algos.ring_decode import ring_decode
 from megatron_cp_plugin.algos.tree_decode import VARIANTS
-from megatron_cp_plugin.bench._common import init_distributed, time_ms, write_report
+from megatron_cp_plugin.bench._common import gather_max, init_distributed, time_ms, write_report
 from megatron_cp_plugin.kernels.local_attn import block_fwd
 
 
@@ -49,7 +49,7 @@ def main(argv=None):
         res = {}
         for name, fn in fns.items():
             t = time_ms(fn, warmup=5, iters=a.iters)
-            res[name] = max(_gather(t))
+            res[name] = gather_max(t)
         if rank == 0 and n <= a.single_max:
             kf, vf = (torch.randn(1, n, a.kv_heads, a.head_dim, device=dev, dtype=dtype) for _ in range(2))
             res["one GPU"] = time_ms(lambda: block_fwd(q, kf, vf), warmup=5, iters=a.iters)
@@ -70,12 +70,6 @@ def main(argv=None):
                   f"context/P * {kv_bytes} B.")
         print(write_report(rows, a.out, header))
     dist.destroy_process_group()
-
-
-def _gather(x):
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, x)
-    return out
 
 
 if __name__ == "__main__":
