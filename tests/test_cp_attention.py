@@ -114,7 +114,7 @@ def test_attention2d_no_and_o_agree(pools, world):
 
 # ------------------------------------------------------------------------------------------- bytes
 def _bytes(rank, world, algo, dtype, h, hk, seq=None):
-    b, s, d = BATCH, seq or 2 * world * 3, 8
+    s, d = seq or 2 * world * 3, 8
     q, k, v, do = _inputs(7, s, h, hk, d, dtype)
     stats = mcp.CommStats()
     shard = lambda t: mcp.shard_sequence(t, algo=algo).detach()  # noqa: E731

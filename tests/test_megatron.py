@@ -5,7 +5,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import megatron_cp_plugin as mcp
 
 
 SEQ, VOCAB = 256, 257

@@ -5,7 +5,6 @@ import itertools
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import megatron_cp_plugin as mcp
 from megatron_cp_plugin.algos.tree_decode import VARIANTS

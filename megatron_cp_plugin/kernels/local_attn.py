@@ -155,6 +155,14 @@ def block_bwd(do, q, k, v, o, lse, *, mask: str = "none", scale: float | None = 
     return _BWD[backend](do, q, k, v, o, lse, delta, mask == "causal", scale, chunk_size)
 
 
+def out_or_delta(do: torch.Tensor, delta: torch.Tensor, *, backend: str | None = None):
+    """(o, delta) to pass block_bwd for query rows whose D is known but O is not, built once and reused over
+    all the key blocks of those rows: the fused kernels read O only to form D, so they get a surrogate O;
+    the math kernel takes D itself (exact in fp64)."""
+    chosen = select_backend(do.device, do.dtype, do.shape[-1], backend)
+    return (None, delta) if chosen == "math" else (_surrogate_out(do, delta), None)
+
+
 def attention_delta(do: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
     """D = rowsum(dO * O) in fp32 (fp64 for fp64): [b, s, h, d] x2 -> [b, h, s]."""
     acc = acc_dtype(o.dtype)
