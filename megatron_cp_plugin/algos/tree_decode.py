@@ -89,13 +89,24 @@ def tree_decode(q, k, v, *, group=None, softmax_scale: float | None = None, vari
         o, lse = block_fwd(q, k, v, mask="none" if vis is None else vis, scale=softmax_scale, backend=backend)
         acc = acc_dtype(q.dtype)
         o, lse = o.to(acc), lse.to(acc)                                  # [b, n_q, h, d], [b, h, n_q]
-        if dist.get_world_size(group) > 1:
-            o, lse = _MERGE[variant](group, o, lse)
+        o, lse = tree_merge(o, lse, group=group, variant=variant)
     # The check reads a value back to the host (a stall per call): done with the validation only.
     if validate and torch.isinf(lse).any():
         raise ValueError("tree_decode: a query sees no key on any rank (the KV cache is empty everywhere, or "
                          "every key is masked for it)")
     return o.to(q.dtype)
+
+
+def tree_merge(o: torch.Tensor, lse: torch.Tensor, *, group=None, variant: str = DEFAULT_VARIANT):
+    """Alg. 3 lines 3-6 alone: merge every rank's partial (o, lse) over `group`; returns the global (o, lse).
+
+    o [b, n_q, h, d] fp32/fp64, lse [b, h, n_q] same dtype (-inf where a rank saw no key); any local
+    kernel may have produced them (DeFT's tree kernel does, for a prefix sharded over the group).
+    """
+    group = resolve_group(group)
+    if dist.get_world_size(group) == 1:
+        return o, lse
+    return _MERGE[variant](group, o, lse)
 
 
 def _allreduce(group, o, lse, packed: bool):
