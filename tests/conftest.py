@@ -1,7 +1,16 @@
 """Shared fixtures: `pools(P)` gives a DistPool of P gloo processes, started once per test module."""
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
+
+# Triton kernels (flash_decode, DeFT) are tested on CPU through Triton's interpreter. triton.jit reads the
+# variable when a kernel module is imported, so it is set here, before any test imports one; gloo workers
+# inherit it. On GPUs the real kernels run.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from .dist_pool import DistPool
 

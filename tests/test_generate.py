@@ -27,7 +27,7 @@ def _generate(rank, world, algo, temperature=0.0, prompt_len=L, decoder="tree"):
     prompt = torch.randint(0, VOCAB, (2, L), generator=torch.Generator().manual_seed(3))[:, :prompt_len]
     out = generate(model, prompt, max_new_tokens=NEW, state=state, algo=cp.algo, temperature=temperature,
                    top_p=0.9, seed=5)
-    shard_len = state.cache[1][0].shape[1] if state.cache else 0
+    shard_len = state.cache[1].n if state.cache else 0
     return out.tolist(), shard_len
 
 

@@ -29,12 +29,14 @@ def _split(total, world, rank, seed):
     return bounds[rank], bounds[rank + 1]
 
 
-def _cases(rank, world, variant):
+def _cases(rank, world, variant, backend=None):
     bad = []
+    # The Triton split-KV kernel (interpreted on CPU) takes head dims 64/128/256 and no fp64.
+    dtypes, d = ((torch.float32,), 64) if backend == "triton" else ((torch.float32, torch.float64), 16)
     for i, ((h, hk), n_q, ragged, dtype) in enumerate(itertools.product(
-            ((4, 4), (8, 2)), (1, 3), (False, True), (torch.float32, torch.float64))):
+            ((4, 4), (8, 2)), (1, 3), (False, True), dtypes)):
         g = torch.Generator().manual_seed(100 + i)
-        b, S, d = 2, 37, 16
+        b, S = 2, 37
         q = torch.randn(b, n_q, h, d, generator=g).to(dtype)
         k, v = (torch.randn(b, S, hk, d, generator=g).to(dtype) for _ in range(2))
         # Global positions: sequence 0 has all S tokens, sequence 1 only its first 29 when ragged; the n_q
@@ -51,7 +53,7 @@ def _cases(rank, world, variant):
         kl, vl, pl = (t[:, sl].flip(1) for t in (k, v, pos))
         masked = n_q > 1 or ragged
         out = mcp.tree_decode(q, kl, vl, variant=variant, kv_positions=pl if masked else None,
-                              q_positions=q_pos if masked else None)
+                              q_positions=q_pos if masked else None, backend=backend)
         err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
         tol = 1e-5 if dtype == torch.float32 else 1e-12
         if not err <= tol:
@@ -64,6 +66,14 @@ def _cases(rank, world, variant):
 @pytest.mark.parametrize("world", (1, 2, 3, 4))
 def test_tree_decode_matches_fp64_reference(pools, world, variant):
     assert all(pools(world).run(_cases, variant))
+
+
+@pytest.mark.parametrize("world", (1, 3))
+def test_tree_decode_with_the_triton_kernel(pools, world):
+    from megatron_cp_plugin.kernels.flash_decode import available
+    if not available(torch.device("cpu")):
+        pytest.skip("SKIPPED LOUDLY: triton not installed, the flash-decoding kernel cannot run interpreted")
+    assert all(pools(world).run(_cases, "allreduce2", "triton"))
 
 
 def _bad(rank, world, case):

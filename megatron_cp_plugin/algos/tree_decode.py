@@ -23,22 +23,11 @@ import torch
 import torch.distributed as dist
 
 from ..comm import all_gather, resolve_group
-from ..kernels.local_attn import acc_dtype, block_fwd
+from ..kernels.local_attn import decode_fwd
 from ..kernels.merge import _finite, merge_
 
 VARIANTS = ("allreduce3", "allreduce2", "allgather")
 DEFAULT_VARIANT = "allreduce2"   # fastest or tied in docs/results/decode.md (2 x H200, 32k-512k)
-
-
-def _visibility(b, n_q, s, kv_positions, q_positions, device):
-    """Bool [b, n_q, s] or None (everything visible)."""
-    if kv_positions is None and q_positions is None:
-        return None
-    kv = kv_positions if kv_positions is not None else torch.arange(s, device=device).expand(b, s)
-    vis = (kv >= 0)[:, None, :].expand(b, n_q, s)
-    if q_positions is not None:
-        vis = vis & (kv[:, None, :] <= q_positions[:, :, None])
-    return vis
 
 
 def _check(q, k, v, group, variant, kv_positions, q_positions, validate):
@@ -82,13 +71,10 @@ def tree_decode(q, k, v, *, group=None, softmax_scale: float | None = None, vari
     validated its shapes and cache.
     """
     group = _check(q, k, v, group, variant, kv_positions, q_positions, validate)
-    b, n_q, h, d = q.shape
     with torch.no_grad():
-        # Line 2: the local partial; a fused kernel when every key is visible, else the masked math kernel.
-        vis = _visibility(b, n_q, k.shape[1], kv_positions, q_positions, q.device)
-        o, lse = block_fwd(q, k, v, mask="none" if vis is None else vis, scale=softmax_scale, backend=backend)
-        acc = acc_dtype(q.dtype)
-        o, lse = o.to(acc), lse.to(acc)                                  # [b, n_q, h, d], [b, h, n_q]
+        # Line 2: the local partial, split-KV flash-decoding (kernels/flash_decode.py) on GPUs.
+        o, lse = decode_fwd(q, k, v, scale=softmax_scale, kv_positions=kv_positions, q_positions=q_positions,
+                            backend=backend)                             # [b, n_q, h, d], [b, h, n_q] fp32
         o, lse = tree_merge(o, lse, group=group, variant=variant)
     # The check reads a value back to the host (a stall per call): done with the validation only.
     if validate and torch.isinf(lse).any():

@@ -2,14 +2,20 @@
 
     torchrun --nproc-per-node 2 -m megatron_cp_plugin.bench.decode --context 32768 131072 524288
 
-Llama-3.1-8B attention shape by default (32 heads, 8 KV heads, d = 128), b = 1, one new token, bf16; the
-cache is split evenly over the ranks. Per layer: median of --iters CUDA-event timings after warm-up, the
-slowest rank counting; a decode step of the whole model is --layers times that (attention only). The
-one-GPU baseline runs the full cache on rank 0 where it fits. Byte formula printed in the header.
+Llama-3.1-8B attention shape by default (32 heads, 8 KV heads, d = 128, 32 layers), b = 1, one new token,
+bf16; the cache is split evenly over the ranks. A decode step is the attention of all --layers layers
+launched back to back, as a model's forward launches them (the host runs ahead, so launch overhead hides
+behind GPU work where the GPU is the bottleneck); every layer reads its own cache (--distinct caches cycled,
+so no layer finds its KV in L2). Timing: barrier, synchronize, CUDA events around the step; the median of
+--iters steps, the slowest rank counting. "(CUDA graph)" rows replay the same step captured as one graph,
+as a serving engine runs decode; "cuDNN local" rows use the prefill kernel instead of split-KV
+flash-decoding for the local step (what tree decoding used before kernels/flash_decode.py).
+Byte formula in the header.
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 
 import torch
 import torch.distributed as dist
@@ -17,8 +23,43 @@ import torch.distributed as dist
 import megatron_cp_plugin as mcp
 from megatron_cp_plugin.algos.ring_decode import ring_decode
 from megatron_cp_plugin.algos.tree_decode import VARIANTS
-from megatron_cp_plugin.bench._common import gather_max, init_distributed, time_ms, write_report
-from megatron_cp_plugin.kernels.local_attn import block_fwd
+from megatron_cp_plugin.bench._common import gather_max, init_distributed, write_report
+from megatron_cp_plugin.kernels.local_attn import decode_fwd
+
+
+def step_ms(step, *, iters: int, warmup: int = 3) -> float:
+    """Median ms of step() (one decode step), every rank starting together; slowest rank."""
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(iters):
+        dist.barrier()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return gather_max(statistics.median(times))
+
+
+def graphed(step):
+    """step captured as one CUDA graph (after a warm-up on a side stream); returns its replay, or None."""
+    try:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                step()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            step()
+        return g.replay
+    except Exception as e:  # noqa: BLE001 - report which method could not be captured, keep measuring the rest
+        print(f"rank {dist.get_rank()}: CUDA graph capture failed: {type(e).__name__}: {e}", flush=True)
+        return None
 
 
 def main(argv=None):
@@ -28,47 +69,67 @@ def main(argv=None):
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--layers", type=int, default=32)
-    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--distinct", type=int, default=4, help="distinct KV caches cycled over the layers")
+    p.add_argument("--iters", type=int, default=20)
     p.add_argument("--single-max", type=int, default=1 << 20, help="largest context the one-GPU baseline runs")
+    p.add_argument("--no-graphs", action="store_true")
     p.add_argument("--out", default="results/decode")
     a = p.parse_args(argv)
     rank, world, dev = init_distributed()
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    if dev.type != "cuda":
+        raise SystemExit("bench.decode needs GPUs (run it under torchrun on a GPU machine)")
+    dtype = torch.bfloat16
     rows = []
     for n in a.context:
         s = n // world
+        q = torch.randn(1, 1, a.heads, a.head_dim, device=dev, dtype=dtype,
+                        generator=torch.Generator(device=dev).manual_seed(n))
         g = torch.Generator(device=dev).manual_seed(n + rank)
-        q = torch.randn(1, 1, a.heads, a.head_dim, device=dev, dtype=dtype, generator=torch.Generator(device=dev).manual_seed(n))
-        k, v = (torch.randn(1, s, a.kv_heads, a.head_dim, device=dev, dtype=dtype, generator=g) for _ in range(2))
-        fns = {f"tree {var}": (lambda var=var: mcp.tree_decode(q, k, v, variant=var, validate=False))
-               for var in VARIANTS}
-        fns["ring-decode"] = lambda: ring_decode(q, k, v)
-        fns["local shard only (no merge)"] = lambda: block_fwd(q, k, v)
+        caches = [tuple(torch.randn(1, s, a.kv_heads, a.head_dim, device=dev, dtype=dtype, generator=g)
+                        for _ in range(2)) for _ in range(a.distinct)]
+
+        def layers(fn):
+            return lambda: [fn(*caches[i % a.distinct]) for i in range(a.layers)]
+
+        methods = {f"tree {var}": layers(lambda k, v, var=var: mcp.tree_decode(q, k, v, variant=var, validate=False))
+                   for var in VARIANTS}
+        methods["tree allreduce2, cuDNN local"] = layers(
+            lambda k, v: mcp.tree_decode(q, k, v, validate=False, backend="cudnn"))
+        methods["ring-decode"] = layers(lambda k, v: ring_decode(q, k, v))
+        methods["local shard only (no merge)"] = layers(lambda k, v: decode_fwd(q, k, v))
         small = torch.zeros(a.heads * (a.head_dim + 1), device=dev)
-        fns["one all_reduce of (o, lse) bytes"] = lambda: dist.all_reduce(small)
-        res = {}
-        for name, fn in fns.items():
-            t = time_ms(fn, warmup=5, iters=a.iters)
-            res[name] = gather_max(t)
-        if rank == 0 and n <= a.single_max:
-            kf, vf = (torch.randn(1, n, a.kv_heads, a.head_dim, device=dev, dtype=dtype) for _ in range(2))
-            res["one GPU"] = time_ms(lambda: block_fwd(q, kf, vf), warmup=5, iters=a.iters)
-            del kf, vf
+        methods["all_reduce of (o, lse) bytes only"] = lambda: [dist.all_reduce(small) for _ in range(a.layers)]
+        if not a.no_graphs:
+            for name in ("tree allreduce2", "tree allreduce3", "ring-decode", "local shard only (no merge)"):
+                replay = graphed(methods[name])
+                if replay is not None:
+                    methods[name + " (CUDA graph)"] = replay
+        res = {name: step_ms(fn, iters=a.iters) for name, fn in methods.items()}
+        del caches
+        if n <= a.single_max:
+            # One GPU holding the whole cache (rank 0; the others wait at the barrier inside step_ms).
+            full = [tuple(torch.randn(1, n, a.kv_heads, a.head_dim, device=dev, dtype=dtype) for _ in range(2))
+                    for _ in range(a.distinct)] if rank == 0 else None
+            for name, kw in (("one GPU", {}), ("one GPU, cuDNN", {"backend": "cudnn"})):
+                fn = ((lambda kw=kw: [decode_fwd(q, *full[i % a.distinct], **kw) for i in range(a.layers)])
+                      if rank == 0 else (lambda: None))
+                res[name] = step_ms(fn, iters=a.iters)
+            del full
         if rank == 0:
             ring = res["ring-decode"]
             for name, t in res.items():
-                rows.append({"context": n, "method": name, "P": 1 if name == "one GPU" else world,
-                             "layer_us": t * 1e3, "step_ms_x_layers": t * a.layers,
-                             "ring_decode_over_this": ring / t})
-        del k, v
+                rows.append({"context": n, "method": name, "P": 1 if name.startswith("one GPU") else world,
+                             "step_ms": t, "layer_us": t / a.layers * 1e3, "ring_decode_over_this": ring / t})
+        torch.cuda.empty_cache()
     if rank == 0:
-        name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
-        kv_bytes = 2 * a.kv_heads * a.head_dim * torch.tensor([], dtype=dtype).element_size()
-        header = (f"decode: b=1, 1 new token, h={a.heads}, h_kv={a.kv_heads}, d={a.head_dim}, {dtype}, {world} x {name}; "
-                  f"median of {a.iters}; step = {a.layers} layers x layer time. Bytes per rank per layer: tree moves "
-                  f"(o, lse) = b*h*(d+1)*4 = {a.heads * (a.head_dim + 1) * 4} B; ring-decode moves (P-1) shards of "
-                  f"context/P * {kv_bytes} B.")
-        print(write_report(rows, a.out, header))
+        name = torch.cuda.get_device_name(dev)
+        kv_bytes = 2 * a.kv_heads * a.head_dim * 2
+        header = (f"decode step: b=1, 1 new token, h={a.heads}, h_kv={a.kv_heads}, d={a.head_dim}, bf16, "
+                  f"{a.layers} layers back to back, {world} x {name}; median of {a.iters}. Bytes per rank per "
+                  f"layer: tree moves (o, lse) = b*h*(d+1)*4 = {a.heads * (a.head_dim + 1) * 4} B per all-reduce; "
+                  f"ring-decode moves (P-1) shards of context/P * 2*h_kv*d*2 = {kv_bytes} B per token; the local "
+                  f"step reads context/P * {kv_bytes} B.")
+        print(write_report(rows, a.out, header), flush=True)
     dist.destroy_process_group()
 
 

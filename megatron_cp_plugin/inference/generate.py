@@ -20,11 +20,49 @@ from ..algos import layout_of
 from ..sharding import sequence_positions
 
 
+class KVShard:
+    """One layer's cache shard on this rank, preallocated: k, v [b, capacity, h_kv, d], pos [b, capacity]
+    (-1 = empty slot) and the fill `n`. Appending writes in place (no torch.cat copy of the whole shard per
+    token); when full, the capacity doubles, so a long generation copies each token O(1) times."""
+
+    def __init__(self, k, v, pos, capacity: int):
+        b, s, h_kv, d = k.shape
+        capacity = max(capacity, s, 1)
+        self.k = k.new_empty(b, capacity, h_kv, d)
+        self.v = v.new_empty(b, capacity, h_kv, d)
+        self.pos = torch.full((b, capacity), -1, dtype=torch.long, device=k.device)
+        self.k[:, :s], self.v[:, :s], self.pos[:, :s] = k, v, pos
+        self.n = s
+
+    def reserve(self, n: int):
+        if n > self.k.shape[1]:
+            cap = max(n, 2 * self.k.shape[1])
+            old = (self.k, self.v, self.pos)
+            self.k, self.v = (x.new_empty(x.shape[0], cap, *x.shape[2:]) for x in old[:2])
+            self.pos = torch.full((old[2].shape[0], cap), -1, dtype=torch.long, device=old[2].device)
+            for new, o in zip((self.k, self.v, self.pos), old):
+                new[:, :self.n] = o[:, :self.n]
+
+    def push(self, k, v, position: int):
+        """Append one token's k, v [b, 1, h_kv, d] at global `position`."""
+        self.reserve(self.n + 1)
+        self.k[:, self.n], self.v[:, self.n] = k[:, 0], v[:, 0]
+        self.pos[:, self.n] = position
+        self.n += 1
+
+    def view(self, length: int | None = None):
+        """(k, v [b, length, h_kv, d], pos [b, length]) views; slots past the fill have pos -1 (padding)."""
+        length = self.n if length is None else length
+        self.reserve(length)
+        return self.k[:, :length], self.v[:, :length], self.pos[:, :length]
+
+
 class DecodeState:
     """Shared by every layer's core attention and the RoPE wrapper of one model during generation.
 
     mode: None (training / plain forward), "prefill" or "decode"; position: the global position of the token
-    being decoded; cache: layer number -> (k [b, s_local, h_kv, d], v, positions [b, s_local]).
+    being decoded; cache: layer number -> KVShard (this rank's part only). reserve: decode tokens to
+    preallocate room for (generate() sets it from max_new_tokens).
     decoder: "tree" (tree_decode, `variant`) or "ring" (the ring-decode baseline: K, V shards go round).
     """
 
@@ -34,21 +72,26 @@ class DecodeState:
         self.cp_group, self.variant, self.decoder = cp_group, variant, decoder
         self.mode: str | None = None
         self.position = 0
-        self.cache: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.reserve = 0
+        self.cache: dict[int, KVShard] = {}
+
+    def _room(self, prefilled: int) -> int:
+        return prefilled + -(-self.reserve // self.cp_group.size()) + 1
 
     def store_prefill(self, layer: int, k, v, positions):
-        self.cache[layer] = (k.detach(), v.detach(), positions.expand(k.shape[0], -1))
+        self.cache[layer] = KVShard(k.detach(), v.detach(), positions.expand(k.shape[0], -1),
+                                    self._room(k.shape[1]))
 
     def append(self, layer: int, k, v):
-        """Add the decoded token's k, v [b, 1, h_kv, d] to this rank's shard when it owns the position."""
+        """Add the decoded token's k, v [b, 1, h_kv, d] to this rank's shard when it owns the position;
+        returns the shard's (k, v, positions) views."""
         if layer not in self.cache:                              # nothing was prefilled
-            self.cache[layer] = (k[:, :0], v[:, :0], torch.zeros(k.shape[0], 0, dtype=torch.long, device=k.device))
-        ck, cv, cp = self.cache[layer]
+            self.cache[layer] = KVShard(k[:, :0], v[:, :0], torch.zeros(k.shape[0], 0, dtype=torch.long,
+                                                                        device=k.device), self._room(0))
+        shard = self.cache[layer]
         if self.position % self.cp_group.size() == self.cp_group.rank():
-            pos = torch.full((k.shape[0], 1), self.position, dtype=cp.dtype, device=cp.device)
-            ck, cv, cp = torch.cat([ck, k], 1), torch.cat([cv, v], 1), torch.cat([cp, pos], 1)
-            self.cache[layer] = (ck, cv, cp)
-        return ck, cv, cp
+            shard.push(k, v, self.position)
+        return shard.view()
 
 
 def install_decode_state(model, state: DecodeState):
@@ -93,7 +136,7 @@ def generate(model, prompt: torch.Tensor, *, max_new_tokens: int, state: DecodeS
     dev = prompt.device
     model.eval()
     L0 = L - L % _prefill_multiple(algo, P)
-    state.mode, state.cache = "prefill", {}
+    state.mode, state.cache, state.reserve = "prefill", {}, L - L0 + max_new_tokens
     row = None
     if L0:
         # Prefill: the prompt in the algorithm's layout; each layer keeps its shard of K, V.

@@ -2,6 +2,7 @@
 
     block_fwd(q, k, v, mask=..., scale=...)                 -> (o [b, sq, h, d] in q.dtype, lse [b, h, sq] fp32)
     block_bwd(do, q, k, v, o, lse, mask=..., scale=...)     -> (dq [b, sq, h, d], dk, dv [b, sk, h_kv, d])
+    decode_fwd(q, k, v, kv_positions=..., q_positions=...)  -> decode-step partial (o, lse), fp32
 
 q [b, sq, h, d]; k, v [b, sk, h_kv, d] with h % h_kv == 0 (GQA: K, V are never expanded, every backend
 reads the grouped heads directly). `lse` in block_bwd is the *global* lse of the query rows, and `o` their
@@ -170,6 +171,44 @@ def attention_delta(do: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------- math
+DECODE_BACKENDS = ("triton", *BACKENDS)
+
+
+def decode_fwd(q, k, v, *, scale: float | None = None, kv_positions: torch.Tensor | None = None,
+               q_positions: torch.Tensor | None = None, backend: str | None = None):
+    """Decode-step partial of a few queries over a (local) cache: (o [b, n_q, h, d], lse [b, h, n_q]), both in
+    acc_dtype(q.dtype).
+
+    q [b, n_q, h, d]; k, v [b, s, h_kv, d], any view with a contiguous last dim. Key j is visible to query i
+    iff 0 <= kv_positions[j] (-1 = empty slot) and kv_positions[j] <= q_positions[i]; no positions: all keys.
+    backend None: the split-KV Triton kernel (`flash_decode.py`) on GPUs for fp16/bf16, the fused prefill
+    kernel without a mask otherwise, the math kernel for a mask on CPU. "triton" forces the Triton kernel
+    (under TRITON_INTERPRET=1 it runs on CPU tensors too).
+    """
+    from . import flash_decode as fd
+
+    if backend is not None and backend not in DECODE_BACKENDS:
+        raise ValueError(f"backend must be one of {DECODE_BACKENDS} or None, got {backend!r}")
+    triton_ok = fd.available(q.device) and q.shape[-1] in fd.HEAD_DIMS and q.dtype != torch.float64
+    if backend == "triton" and not triton_ok:
+        raise ValueError(f"backend='triton' needs Triton and a CUDA device (or TRITON_INTERPRET=1), fp16/bf16/fp32 "
+                         f"and head_dim in {fd.HEAD_DIMS}; got {q.device}, {q.dtype}, head_dim {q.shape[-1]}")
+    if backend == "triton" or (backend is None and triton_ok and q.device.type == "cuda"
+                               and q.dtype in (torch.float16, torch.bfloat16)):
+        return fd.flash_decode(q, k, v, scale=scale, kv_positions=kv_positions, q_positions=q_positions)
+    acc = acc_dtype(q.dtype)
+    if kv_positions is None and q_positions is None:
+        o, lse = block_fwd(q, k, v, scale=scale, backend=backend)
+        return o.to(acc), lse.to(acc)
+    b, n_q, s = q.shape[0], q.shape[1], k.shape[1]
+    kv = kv_positions if kv_positions is not None else torch.arange(s, device=q.device).expand(b, s)
+    vis = (kv >= 0)[:, None, :].expand(b, n_q, s)
+    if q_positions is not None:
+        vis = vis & (kv[:, None, :] <= q_positions[:, :, None])
+    o, lse = block_fwd(q, k, v, mask=vis, scale=scale, backend=None if backend == "math" else backend)
+    return o.to(acc), lse.to(acc)
+
+
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """Accumulator (and lse) dtype for inputs of `dtype`: fp64 for fp64, fp32 otherwise."""
     return torch.float64 if dtype == torch.float64 else torch.float32

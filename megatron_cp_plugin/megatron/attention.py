@@ -7,7 +7,6 @@ make the data and the positions agree with it.
 """
 from __future__ import annotations
 
-import torch
 from megatron.core import parallel_state
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
@@ -78,12 +77,9 @@ class CPCoreAttention(MegatronModule):
     def _decode(self, state, query, key, value):
         """One new token [1, b, ., hn], replicated: append its K, V round-robin, attend with tree decoding."""
         q, k, v = (x.transpose(0, 1) for x in (query, key, value))
-        ck, cv, cpos = state.append(self.layer_number, k.contiguous(), v.contiguous())
-        if state.decoder == "ring":                   # the baseline: pad every shard to the longest, pass round
-            pad = -(-(state.position + 1) // state.cp_group.size()) - ck.shape[1]
-            if pad:
-                ck, cv = (torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)) for x in (ck, cv))
-                cpos = torch.nn.functional.pad(cpos, (0, pad), value=-1)
+        ck, cv, cpos = state.append(self.layer_number, k, v)
+        if state.decoder == "ring":                   # the baseline: every shard padded to the longest, passed round
+            ck, cv, cpos = state.cache[self.layer_number].view(-(-(state.position + 1) // state.cp_group.size()))
             o = ring_decode(q, ck, cv, group=state.cp_group, softmax_scale=self.softmax_scale, kv_positions=cpos)
         else:
             kw = {"variant": state.variant} if state.variant else {}

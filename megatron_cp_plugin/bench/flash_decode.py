@@ -1,0 +1,64 @@
+"""The split-KV flash-decoding kernel (kernels/flash_decode.py) against the prefill kernels on one GPU.
+
+    python -m megatron_cp_plugin.bench.flash_decode --context 16384 65536 262144
+
+One decode token (n_q = 1, or --n-q for speculative verification), b = 1, Llama-3.1-8B heads (32 / 8 KV,
+d = 128), bf16. Per kernel: median ms of --iters calls (CUDA events, after warm-up) and the bandwidth it
+reaches on the bytes it must read, divided by the device copy bandwidth measured in the same run:
+    KV bytes = 2 (K and V) * context * h_kv * d * 2 B;  copy bandwidth = 2 * bytes / time of a 1 GiB copy.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from megatron_cp_plugin.bench._common import time_ms, write_report
+from megatron_cp_plugin.kernels.flash_decode import flash_decode
+from megatron_cp_plugin.kernels.local_attn import _unsupported, block_fwd
+
+
+def copy_bandwidth(dev) -> float:
+    """Bytes/s of a device-to-device copy of 1 GiB (read + write counted)."""
+    x = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+    y = torch.empty_like(x)
+    ms = time_ms(lambda: y.copy_(x), warmup=3, iters=10)
+    return 2 * x.numel() / (ms * 1e-3)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--context", type=int, nargs="+", default=[16384, 65536, 262144])
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--n-q", type=int, default=1)
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--out", default="results/flash_decode")
+    a = p.parse_args(argv)
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    bw = copy_bandwidth(dev)
+    rows = []
+    for n in a.context:
+        q = torch.randn(1, a.n_q, a.heads, a.head_dim, device=dev, dtype=dtype)
+        k, v = (torch.randn(1, n, a.kv_heads, a.head_dim, device=dev, dtype=dtype) for _ in range(2))
+        kv_bytes = 2 * k.numel() * k.element_size()
+        kernels = {"flash_decode (split-KV, Triton)": lambda: flash_decode(q, k, v)}
+        for be in ("cudnn", "flash"):
+            if not _unsupported(be, dev, dtype, a.head_dim):
+                kernels[f"{be} (prefill kernel)"] = lambda be=be: block_fwd(q, k, v, backend=be)
+        base = None
+        for name, fn in kernels.items():
+            ms = time_ms(fn, warmup=5, iters=a.iters)
+            base = base or ms
+            rows.append({"context": n, "kernel": name, "ms": ms, "GB_per_s": kv_bytes / ms / 1e6,
+                         "fraction_of_copy_bw": kv_bytes / (ms * 1e-3) / bw, "time_over_split_kv": ms / base})
+        del k, v
+    header = (f"flash-decoding, one {torch.cuda.get_device_name(dev)}: b=1, n_q={a.n_q}, h={a.heads}, "
+              f"h_kv={a.kv_heads}, d={a.head_dim}, bf16, median of {a.iters}. Bytes = 2 * context * h_kv * d * 2; "
+              f"measured copy bandwidth {bw / 1e12:.2f} TB/s.")
+    print(write_report(rows, a.out, header), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,191 @@
+"""Split-KV flash-decoding (Triton): the local step of tree decoding (tree-attention.txt, Alg. 3 line 2)
+and of the ring-decode baseline.
+
+A decode step has a handful of query tokens and a long cache. A prefill kernel gives one program per
+(batch, head, query block), so with b = 1 and 32 heads it runs 32 programs that each read 64k keys in
+turn: on one H200 cuDNN reads a 64k-token, 8-KV-head shard in 140-150 us, about 1.8 TB/s of the 4.2
+measured (docs/results/decode.md). Here the cache is cut into `num_splits` ranges that run as separate
+programs (phase 1: a partial (o, lse) per range), then merged per query row (phase 2), as Flash-Decoding
+does. Two more choices for decoding:
+  * GQA folding: the g = h / h_kv query heads of one KV head, times n_q query tokens, are the rows of one
+    tile, so each K, V block is read once per KV head, not once per query head;
+  * masks from positions: `kv_positions` [b, s] (-1 = empty slot) and `q_positions` [b, n_q]; a key is
+    visible iff 0 <= kv_pos <= q_pos. That covers padded / ragged shards, a preallocated cache read past its
+    fill, and several causal query tokens (speculative verification) without a dense mask.
+K, V may be any strided view whose last dim is contiguous (a slice of a preallocated cache).
+
+    o, lse = flash_decode(q [b, n_q, h, d], k [b, s, h_kv, d], v, scale=None, kv_positions=None, q_positions=None)
+    # o [b, n_q, h, d] fp32, lse [b, h, n_q] fp32 (-inf, o = 0 where a query sees no key)
+
+`flash_decode_reference` is the plain-PyTorch definition it is tested against.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:   # CPU machines without triton: `available()` is False and callers use the math kernel
+    triton = tl = None
+
+HEAD_DIMS = (64, 128, 256)
+BLOCK_N = 64            # keys per inner iteration
+TARGET_PROGRAMS = 264   # about two waves of 132 SMs: enough splits to read at full bandwidth at b = 1
+
+
+def available(device: torch.device) -> bool:
+    """Whether the Triton kernel can run here (a CUDA device, or Triton's CPU interpreter)."""
+    import os
+
+    return triton is not None and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def flash_decode_reference(q, k, v, *, scale=None, kv_positions=None, q_positions=None):
+    """fp64-capable definition: softmax(q k^T * scale, visibility) v per query and head; shapes as flash_decode."""
+    b, n_q, h, d = q.shape
+    g = h // k.shape[2]
+    scale = d ** -0.5 if scale is None else scale
+    kk, vv = (x.repeat_interleave(g, dim=2).transpose(1, 2).to(torch.float64 if q.dtype == torch.float64
+                                                                   else torch.float32) for x in (k, v))
+    qq = q.transpose(1, 2).to(kk.dtype)
+    s = qq @ kk.transpose(-1, -2) * scale                                  # [b, h, n_q, s]
+    kv = kv_positions if kv_positions is not None else torch.arange(k.shape[1], device=q.device).expand(b, -1)
+    vis = (kv >= 0)[:, None, None, :]
+    if q_positions is not None:
+        vis = vis & (kv[:, None, None, :] <= q_positions[:, None, :, None])
+    s = s.masked_fill(~vis, float("-inf"))
+    lse = torch.logsumexp(s, -1)                                           # [b, h, n_q]
+    p = torch.exp(s - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)[..., None])
+    return (p @ vv).transpose(1, 2), lse
+
+
+if triton is not None:
+    @triton.jit
+    def _partial_kernel(Q, K, V, KPOS, QPOS, O, L,
+                        sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, spb, sqpb,
+                        H_KV, S, SPLIT_LEN, NUM_SPLITS, scale_log2,
+                        NQ: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        D: tl.constexpr, HAS_KPOS: tl.constexpr, HAS_QPOS: tl.constexpr):
+        # Phase 1: program (b * h_kv + kv head, split) -> partial (o, lse) of its NQ * G rows over its keys.
+        pid_bh, split = tl.program_id(0), tl.program_id(1)
+        bi, kh = pid_bh // H_KV, pid_bh % H_KV
+        rows = tl.arange(0, BLOCK_M)                  # row = query token t * G + head-in-group j
+        t, j = rows // G, rows % G
+        row_ok = rows < NQ * G
+        dims = tl.arange(0, D)
+        q = tl.load(Q + bi * sqb + t[:, None] * sqt + (kh * G + j)[:, None] * sqh + dims[None, :],
+                    mask=row_ok[:, None], other=0.0)
+        if HAS_QPOS:
+            qpos = tl.load(QPOS + bi * sqpb + t, mask=row_ok, other=-1)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D], tl.float32)
+        # SPLIT_LEN is a multiple of BLOCK_N, so a split's blocks end at its own end or at S.
+        for n0 in range(0, SPLIT_LEN, BLOCK_N):
+            cols = split * SPLIT_LEN + n0 + tl.arange(0, BLOCK_N)
+            col_ok = cols < S
+            kb = tl.load(K + bi * skb + cols[:, None] * skt + kh * skh + dims[None, :], mask=col_ok[:, None], other=0.0)
+            vb = tl.load(V + bi * svb + cols[:, None] * svt + kh * svh + dims[None, :], mask=col_ok[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(kb)) * scale_log2                      # log2 domain
+            vis = col_ok[None, :] & row_ok[:, None]
+            if HAS_KPOS:
+                kpos = tl.load(KPOS + bi * spb + cols, mask=col_ok, other=-1)
+                vis = vis & (kpos[None, :] >= 0)
+                if HAS_QPOS:
+                    vis = vis & (kpos[None, :] <= qpos[:, None])
+            elif HAS_QPOS:
+                vis = vis & (cols[None, :] <= qpos[:, None])
+            s = tl.where(vis, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)        # rows with nothing visible yet
+            alpha = tl.exp2(m_i - m_ref)
+            p = tl.exp2(s - m_ref[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)
+            m_i = m_new
+        # Partial lse in natural log; a split that saw nothing keeps -inf and o = 0.
+        seen = l_i > 0
+        o = acc / tl.where(seen, l_i, 1.0)[:, None]
+        lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+        base = (pid_bh * NUM_SPLITS + split) * BLOCK_M
+        tl.store(O + (base + rows)[:, None] * D + dims[None, :], o, mask=row_ok[:, None])
+        tl.store(L + base + rows, lse, mask=row_ok)
+
+    @triton.jit
+    def _merge_kernel(O, L, OUT, LSE, NUM_SPLITS, ROWS,
+                      BLOCK_M: tl.constexpr, SPLITS: tl.constexpr, D: tl.constexpr):
+        # Phase 2: program (b * h_kv + kv head, row) merges its row's partials over the splits.
+        pid_bh, row = tl.program_id(0), tl.program_id(1)
+        sp = tl.arange(0, SPLITS)
+        sp_ok = sp < NUM_SPLITS
+        dims = tl.arange(0, D)
+        idx = (pid_bh * NUM_SPLITS + sp) * BLOCK_M + row
+        lse = tl.load(L + idx, mask=sp_ok, other=float("-inf"))
+        m = tl.max(lse, 0)
+        m_ref = tl.where(m == float("-inf"), 0.0, m)
+        w = tl.exp(lse - m_ref)
+        o = tl.load(O + idx[:, None] * D + dims[None, :], mask=sp_ok[:, None], other=0.0)
+        tot = tl.sum(w, 0)
+        out = tl.sum(o * w[:, None], 0) / tl.where(tot > 0, tot, 1.0)
+        tl.store(OUT + (pid_bh * ROWS + row) * D + dims, out)
+        tl.store(LSE + pid_bh * ROWS + row, tl.where(tot > 0, m_ref + tl.log(tot), float("-inf")))
+
+
+def _check(q, k, v, kv_positions, q_positions):
+    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
+        raise ValueError(f"flash_decode: q [b, n_q, h, d] and k, v [b, s, h_kv, d] of one shape expected, got "
+                         f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    b, n_q, h, d = q.shape
+    if k.shape[0] != b or k.shape[3] != d or h % k.shape[2]:
+        raise ValueError(f"flash_decode: k, v {tuple(k.shape)} must match q {tuple(q.shape)} in batch and head_dim, "
+                         "and k's heads must divide q's")
+    if d not in HEAD_DIMS:
+        raise ValueError(f"flash_decode: head_dim must be one of {HEAD_DIMS}, got {d}")
+    if any(x.stride(-1) != 1 for x in (q, k, v)):
+        raise ValueError("flash_decode: q, k, v need a contiguous last (head_dim) dimension")
+    if kv_positions is not None and tuple(kv_positions.shape) != (b, k.shape[1]):
+        raise ValueError(f"kv_positions must be [b, s] = {(b, k.shape[1])}, got {tuple(kv_positions.shape)}")
+    if q_positions is not None and tuple(q_positions.shape) != (b, n_q):
+        raise ValueError(f"q_positions must be [b, n_q] = {(b, n_q)}, got {tuple(q_positions.shape)}")
+
+
+def num_splits_for(b: int, h_kv: int, s: int) -> int:
+    """Splits so that b * h_kv * splits is about TARGET_PROGRAMS, each split at least one key block."""
+    return max(1, min(math.ceil(TARGET_PROGRAMS / max(1, b * h_kv)), math.ceil(s / BLOCK_N)))
+
+
+def flash_decode(q, k, v, *, scale: float | None = None, kv_positions=None, q_positions=None,
+                 num_splits: int | None = None):
+    """Partial attention of q [b, n_q, h, d] over k, v [b, s, h_kv, d]: (o [b, n_q, h, d] fp32, lse [b, h, n_q] fp32)."""
+    _check(q, k, v, kv_positions, q_positions)
+    b, n_q, h, d = q.shape
+    s, h_kv = k.shape[1], k.shape[2]
+    g = h // h_kv
+    scale = d ** -0.5 if scale is None else scale
+    block_m = max(16, triton.next_power_of_2(n_q * g))      # tl.dot needs 16 rows; padded rows cost no bandwidth
+    splits = num_splits or num_splits_for(b, h_kv, s)
+    split_len = triton.cdiv(triton.cdiv(max(s, 1), splits), BLOCK_N) * BLOCK_N
+    splits = triton.cdiv(max(s, 1), split_len)
+    part_o = torch.empty(b * h_kv * splits * block_m, d, device=q.device, dtype=torch.float32)
+    part_l = torch.empty(b * h_kv * splits * block_m, device=q.device, dtype=torch.float32)
+    kpos = kv_positions.contiguous() if kv_positions is not None else part_l     # a dummy pointer when absent
+    qpos = q_positions.contiguous() if q_positions is not None else part_l
+    _partial_kernel[(b * h_kv, splits)](
+        q, k, v, kpos, qpos, part_o, part_l,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), kpos.stride(0), qpos.stride(0),
+        h_kv, s, split_len, splits, scale * 1.4426950408889634,
+        NQ=n_q, G=g, BLOCK_M=block_m, BLOCK_N=BLOCK_N, D=d,
+        HAS_KPOS=kv_positions is not None, HAS_QPOS=q_positions is not None, num_warps=4)
+    rows = n_q * g
+    out = torch.empty(b * h_kv * rows, d, device=q.device, dtype=torch.float32)
+    lse = torch.empty(b * h_kv * rows, device=q.device, dtype=torch.float32)
+    _merge_kernel[(b * h_kv, rows)](part_o, part_l, out, lse, splits, rows,
+                                    BLOCK_M=block_m, SPLITS=triton.next_power_of_2(splits), D=d, num_warps=4)
+    # Rows are (t, j) per KV head: back to [b, n_q, h, d] and [b, h, n_q] (head = kv head * g + j).
+    out = out.view(b, h_kv, n_q, g, d).permute(0, 2, 1, 3, 4).reshape(b, n_q, h, d)
+    lse = lse.view(b, h_kv, n_q, g).permute(0, 1, 3, 2).reshape(b, h, n_q)
+    return out, lse

@@ -1,0 +1,89 @@
+"""Split-KV flash-decoding (kernels/flash_decode.py) against its fp64 reference; on CPU through Triton's
+interpreter (TRITON_INTERPRET=1, set in conftest), on GPUs the compiled kernel in bf16."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_cp_plugin.kernels import flash_decode as fd
+from megatron_cp_plugin.kernels.local_attn import decode_fwd
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DTYPE = torch.bfloat16 if DEV.type == "cuda" else torch.float32
+TOL = 2e-2 if DTYPE == torch.bfloat16 else 2e-5
+pytestmark = pytest.mark.skipif(not fd.available(DEV),
+                                reason="SKIPPED LOUDLY: triton is not installed (pip install triton), so the "
+                                       "flash-decoding kernel cannot run here, not even interpreted")
+
+CASES = [  # b, n_q, h, h_kv, d, s
+    (1, 1, 4, 1, 64, 200), (2, 3, 8, 2, 64, 37), (1, 1, 2, 2, 128, 0), (1, 2, 4, 4, 128, 130),
+    (3, 1, 6, 3, 64, 1), (1, 5, 4, 2, 64, 65),
+]
+
+
+def _data(b, n_q, h, h_kv, d, s, seed):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(b, n, hh, d, generator=g).to(DEV, DTYPE) for n, hh in ((n_q, h), (s, h_kv), (s, h_kv)))
+    kpos = torch.randint(-1, s + 2, (b, s), generator=g).to(DEV)
+    qpos = torch.randint(0, s + 1, (b, n_q), generator=g).to(DEV)
+    return q, k, v, kpos, qpos
+
+
+def _check(o, lse, q, k, v, **kw):
+    ro, rl = fd.flash_decode_reference(q.double(), k.double(), v.double(), **kw)
+    assert o.dtype == torch.float32 and lse.dtype == torch.float32
+    assert o.shape == q.shape and lse.shape == (q.shape[0], q.shape[2], q.shape[1])
+    assert torch.equal(torch.isinf(lse), torch.isinf(rl)), "rows that see no key must have lse = -inf"
+    assert torch.isfinite(o).all()
+    fin = torch.isfinite(rl)
+    assert (o.double() - ro).abs().max().item() <= TOL
+    assert (lse.double()[fin] - rl[fin]).abs().max().item() <= TOL if fin.any() else True
+    assert (o[~fin.transpose(1, 2)] == 0).all() if (~fin).any() else True
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("masks", ["none", "kv", "kv+q", "q"])
+@pytest.mark.parametrize("splits", [None, 1, 3])
+def test_matches_reference(case, masks, splits):
+    q, k, v, kpos, qpos = _data(*case, seed=hash((case, masks)) % 1000)
+    kw = {"kv_positions": kpos if masks in ("kv", "kv+q") else None,
+          "q_positions": qpos if masks in ("q", "kv+q") else None}
+    o, lse = fd.flash_decode(q, k, v, num_splits=splits, **kw)
+    _check(o, lse, q, k, v, **kw)
+
+
+def test_strided_views_of_a_preallocated_cache():
+    # The generation cache is a [b, capacity, h_kv, d] buffer read through [:, :n] views.
+    q, k, v, _, _ = _data(2, 1, 8, 2, 64, 150, seed=1)
+    kb, vb = (torch.zeros(2, 256, 2, 64, device=DEV, dtype=DTYPE) for _ in range(2))
+    kb[:, :150], vb[:, :150] = k, v
+    o, lse = fd.flash_decode(q, kb[:, :150], vb[:, :150], scale=0.3)
+    _check(o, lse, q, k, v, scale=0.3)
+
+
+def test_decode_fwd_triton_equals_math():
+    q, k, v, kpos, qpos = _data(2, 2, 8, 2, 64, 90, seed=2)
+    a = decode_fwd(q, k, v, kv_positions=kpos, q_positions=qpos, backend="triton")
+    b = decode_fwd(q.float(), k.float(), v.float(), kv_positions=kpos, q_positions=qpos, backend="math")
+    assert (a[0] - b[0]).abs().max().item() <= TOL
+    fin = torch.isfinite(b[1])
+    assert torch.equal(fin, torch.isfinite(a[1])) and (a[1][fin] - b[1][fin]).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(d=48), "head_dim must be one of"),
+    (dict(h_kv=3), "heads must divide"),
+    (dict(kpos_len=5), "kv_positions must be"),
+    (dict(qpos_len=4), "q_positions must be"),
+])
+def test_bad_input(bad, match):
+    d = bad.get("d", 64)
+    q = torch.zeros(1, 2, 4, d, device=DEV, dtype=DTYPE)
+    k = torch.zeros(1, 10, bad.get("h_kv", 2), d, device=DEV, dtype=DTYPE)
+    kw = {}
+    if "kpos_len" in bad:
+        kw["kv_positions"] = torch.zeros(1, bad["kpos_len"], dtype=torch.long, device=DEV)
+    if "qpos_len" in bad:
+        kw["q_positions"] = torch.zeros(1, bad["qpos_len"], dtype=torch.long, device=DEV)
+    with pytest.raises(ValueError, match=match):
+        fd.flash_decode(q, k, k, **kw)
