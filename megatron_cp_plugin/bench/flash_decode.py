@@ -53,7 +53,6 @@ def main(argv=None):
             base = base or ms
             rows.append({"context": n, "kernel": name, "ms": ms, "GB_per_s": kv_bytes / ms / 1e6,
                          "fraction_of_copy_bw": kv_bytes / (ms * 1e-3) / bw, "time_over_split_kv": ms / base})
-        del k, v
     header = (f"flash-decoding, one {torch.cuda.get_device_name(dev)}: b=1, n_q={a.n_q}, h={a.heads}, "
               f"h_kv={a.kv_heads}, d={a.head_dim}, bf16, median of {a.iters}. Bytes = 2 * context * h_kv * d * 2; "
               f"measured copy bandwidth {bw / 1e12:.2f} TB/s.")
