@@ -87,3 +87,22 @@ def test_bad_input(bad, match):
         kw["q_positions"] = torch.zeros(1, bad["qpos_len"], dtype=torch.long, device=DEV)
     with pytest.raises(ValueError, match=match):
         fd.flash_decode(q, k, k, **kw)
+
+
+@pytest.mark.parametrize("P, R, d", [(1, 5, 64), (3, 7, 128), (8, 2, 64)])
+def test_merge_partials(P, R, d):
+    from megatron_cp_plugin.kernels.merge import merge_
+    g = torch.Generator().manual_seed(P * R)
+    o = torch.randn(P, R, d, generator=g).to(DEV)
+    lse = torch.randn(P, R, generator=g).to(DEV)
+    lse[0, 0] = float("-inf")                            # a partial that saw nothing
+    if P > 1:
+        lse[:, 1 % R] = float("-inf")                    # a row no partial saw
+    out, acc = fd.merge_partials(o, lse)
+    ro, rl = torch.zeros(1, R, 1, d, device=DEV), torch.full((1, 1, R), float("-inf"), device=DEV)
+    for i in range(P):
+        merge_(ro, rl, o[i][None, :, None], lse[i][None, None])
+    assert torch.isfinite(out).all()
+    assert torch.allclose(out, ro[0, :, 0], atol=1e-5) and torch.equal(torch.isinf(acc), torch.isinf(rl[0, 0]))
+    fin = torch.isfinite(acc)
+    assert torch.allclose(acc[fin], rl[0, 0][fin], atol=1e-5)

@@ -68,12 +68,13 @@ def test_tree_decode_matches_fp64_reference(pools, world, variant):
     assert all(pools(world).run(_cases, variant))
 
 
+@pytest.mark.parametrize("variant", ("allreduce2", "allgather"))   # allgather: the fused merge kernel too
 @pytest.mark.parametrize("world", (1, 3))
-def test_tree_decode_with_the_triton_kernel(pools, world):
+def test_tree_decode_with_the_triton_kernel(pools, world, variant):
     from megatron_cp_plugin.kernels.flash_decode import available
     if not available(torch.device("cpu")):
         pytest.skip("SKIPPED LOUDLY: triton not installed, the flash-decoding kernel cannot run interpreted")
-    assert all(pools(world).run(_cases, "allreduce2", "triton"))
+    assert all(pools(world).run(_cases, variant, "triton"))
 
 
 def _bad(rank, world, case):

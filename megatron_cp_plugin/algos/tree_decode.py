@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import all_gather, resolve_group
+from ..kernels import flash_decode as fd
 from ..kernels.local_attn import decode_fwd
 from ..kernels.merge import _finite, merge_
 
@@ -113,6 +114,14 @@ def _allreduce(group, o, lse, packed: bool):
 
 
 def _allgather(group, o, lse):
+    if o.dtype == torch.float32 and fd.available(o.device) and o.shape[-1] in fd.HEAD_DIMS:
+        # One packed all-gather and one fused merge kernel: the fewest launches per layer (host-bound decode).
+        b, n_q, h, d = o.shape
+        lse_rows = lse.transpose(1, 2)                                   # [b, n_q, h]: o's row order
+        parts = all_gather(group, torch.cat([o.flatten(), lse_rows.flatten()]))
+        n = o.numel()
+        out, acc = fd.merge_partials(parts[:, :n].view(-1, b * n_q * h, d), parts[:, n:])
+        return out.view(b, n_q, h, d), acc.view(b, n_q, h).transpose(1, 2)
     parts = all_gather(group, torch.cat([o.flatten(), lse.flatten()]))   # [world, n_o + n_lse]
     out, acc = torch.zeros_like(o), torch.full_like(lse, float("-inf"))
     for r in range(parts.shape[0]):

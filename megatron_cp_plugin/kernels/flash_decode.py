@@ -115,14 +115,15 @@ if triton is not None:
         tl.store(L + base + rows, lse, mask=row_ok)
 
     @triton.jit
-    def _merge_kernel(O, L, OUT, LSE, NUM_SPLITS, ROWS,
-                      BLOCK_M: tl.constexpr, SPLITS: tl.constexpr, D: tl.constexpr):
-        # Phase 2: program (b * h_kv + kv head, row) merges its row's partials over the splits.
-        pid_bh, row = tl.program_id(0), tl.program_id(1)
-        sp = tl.arange(0, SPLITS)
-        sp_ok = sp < NUM_SPLITS
+    def _merge_kernel(O, L, OUT, LSE, NUM_PARTS, ROWS, PART_STRIDE, GROUP_STRIDE,
+                      PARTS: tl.constexpr, D: tl.constexpr):
+        # Program (group, row) merges the NUM_PARTS partials of its row: partial i of row r of group g sits at
+        # row index g * GROUP_STRIDE + i * PART_STRIDE + r of O [*, D] and L [*].
+        grp, row = tl.program_id(0), tl.program_id(1)
+        sp = tl.arange(0, PARTS)
+        sp_ok = sp < NUM_PARTS
         dims = tl.arange(0, D)
-        idx = (pid_bh * NUM_SPLITS + sp) * BLOCK_M + row
+        idx = grp * GROUP_STRIDE + sp * PART_STRIDE + row
         lse = tl.load(L + idx, mask=sp_ok, other=float("-inf"))
         m = tl.max(lse, 0)
         m_ref = tl.where(m == float("-inf"), 0.0, m)
@@ -130,8 +131,28 @@ if triton is not None:
         o = tl.load(O + idx[:, None] * D + dims[None, :], mask=sp_ok[:, None], other=0.0)
         tot = tl.sum(w, 0)
         out = tl.sum(o * w[:, None], 0) / tl.where(tot > 0, tot, 1.0)
-        tl.store(OUT + (pid_bh * ROWS + row) * D + dims, out)
-        tl.store(LSE + pid_bh * ROWS + row, tl.where(tot > 0, m_ref + tl.log(tot), float("-inf")))
+        tl.store(OUT + (grp * ROWS + row) * D + dims, out)
+        tl.store(LSE + grp * ROWS + row, tl.where(tot > 0, m_ref + tl.log(tot), float("-inf")))
+
+
+def _merge(o, lse, groups, parts, rows, part_stride, group_stride):
+    out = torch.empty(groups * rows, o.shape[-1], device=o.device, dtype=torch.float32)
+    out_lse = torch.empty(groups * rows, device=o.device, dtype=torch.float32)
+    _merge_kernel[(groups, rows)](o, lse, out, out_lse, parts, rows, part_stride, group_stride,
+                                  PARTS=triton.next_power_of_2(parts), D=o.shape[-1], num_warps=4)
+    return out, out_lse
+
+
+def merge_partials(o_parts, lse_parts):
+    """One fused merge of P partials per row (the allgather variant of tree decoding, done in one kernel).
+
+    o_parts [P, R, D] fp32 contiguous, lse_parts [P, R] fp32 -> (o [R, D], lse [R]); -inf rows stay finite.
+    """
+    if o_parts.dim() != 3 or tuple(lse_parts.shape) != tuple(o_parts.shape[:2]) or o_parts.shape[-1] not in HEAD_DIMS:
+        raise ValueError(f"merge_partials: o_parts [P, R, D in {HEAD_DIMS}] and lse_parts [P, R] expected, got "
+                         f"{tuple(o_parts.shape)} and {tuple(lse_parts.shape)}")
+    P, R, _ = o_parts.shape
+    return _merge(o_parts.contiguous(), lse_parts.contiguous(), 1, P, R, R, 0)
 
 
 def _check(q, k, v, kv_positions, q_positions):
@@ -180,11 +201,8 @@ def flash_decode(q, k, v, *, scale: float | None = None, kv_positions=None, q_po
         h_kv, s, split_len, splits, scale * 1.4426950408889634,
         NQ=n_q, G=g, BLOCK_M=block_m, BLOCK_N=BLOCK_N, D=d,
         HAS_KPOS=kv_positions is not None, HAS_QPOS=q_positions is not None, num_warps=4)
-    rows = n_q * g
-    out = torch.empty(b * h_kv * rows, d, device=q.device, dtype=torch.float32)
-    lse = torch.empty(b * h_kv * rows, device=q.device, dtype=torch.float32)
-    _merge_kernel[(b * h_kv, rows)](part_o, part_l, out, lse, splits, rows,
-                                    BLOCK_M=block_m, SPLITS=triton.next_power_of_2(splits), D=d, num_warps=4)
+    # Phase 2: partial i of row r of (batch, KV head) x is row (x * splits + i) * block_m + r.
+    out, lse = _merge(part_o, part_l, b * h_kv, splits, n_q * g, block_m, splits * block_m)
     # Rows are (t, j) per KV head: back to [b, n_q, h, d] and [b, h, n_q] (head = kv head * g + j).
     out = out.view(b, h_kv, n_q, g, d).permute(0, 2, 1, 3, 4).reshape(b, n_q, h, d)
     lse = lse.view(b, h_kv, n_q, g).permute(0, 1, 3, 2).reshape(b, h, n_q)
