@@ -70,16 +70,51 @@ def attention_flop(b: int, s: int, h: int, d: int, causal: bool, backward: bool)
     return f * 3.5 if backward else f
 
 
-def write_report(rows: list[dict], path_stem: str, header: str) -> str:
-    """Write rows as JSON and a markdown table (path_stem.json, path_stem.md); return the markdown."""
+def write_report(rows: list[dict], path_stem: str, header: str, plot: tuple[str, str, str] | None = None) -> str:
+    """Write rows as JSON and a markdown table (path_stem.json, path_stem.md), and with plot = (x, y, series)
+    column names a PNG (path_stem.png; needs matplotlib, else `megatron-cp-bench plot` draws it later from
+    the JSON). Returns the markdown. The JSON keeps the exact command and the device."""
     os.makedirs(os.path.dirname(path_stem) or ".", exist_ok=True)
-    cols = list(rows[0]) if rows else []
+    cols = list(dict.fromkeys(c for r in rows for c in r))
     md = [header, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
-        md.append("| " + " | ".join(f"{v:.3g}" if isinstance(v, float) else str(v) for v in r.values()) + " |")
+        md.append("| " + " | ".join(_cell(r.get(c, "")) for c in cols) + " |")
     text = "\n".join(md) + "\n"
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     with open(path_stem + ".json", "w") as f:
-        json.dump({"header": header, "command": " ".join(sys.argv), "rows": rows}, f, indent=1)
+        json.dump({"header": header, "command": " ".join(sys.argv), "device": device, "plot": plot, "rows": rows},
+                  f, indent=1)
     with open(path_stem + ".md", "w") as f:
         f.write(text)
+    if plot is not None:
+        plot_rows(rows, path_stem + ".png", *plot, title=header.split(".")[0])
     return text
+
+
+def _cell(v) -> str:
+    return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+
+def plot_rows(rows, png: str, x: str, y: str, series: str, title: str = "") -> bool:
+    """A log-log line per `series` value of y against x; False (and a message) without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"(no matplotlib: {png} not drawn; pip install matplotlib, then megatron-cp-bench plot)")
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name in dict.fromkeys(r[series] for r in rows if y in r):
+        pts = sorted((r[x], r[y]) for r in rows if r[series] == name and y in r)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=str(name))
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel(x)
+    ax.set_ylabel(y)
+    ax.set_title(title[:90], fontsize=8)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    return True

@@ -1,10 +1,14 @@
-"""Ring and BurstAttention side by side with single-GPU attention on the full sequence, in one run.
+"""Every algorithm side by side with single-GPU attention on the full sequence and the external anchors
+(PyTorch's native context parallel, TransformerEngine's, ring-flash-attn: bench/anchors.py), in one run.
 
-    torchrun --nproc-per-node 2 -m megatron_cp_plugin.bench.cp_attention --seq 32768 131072 [--slow-link]
+    megatron-cp-bench attention --seq 32768 131072 [--slow-link]      (under torchrun --nproc-per-node P)
+    torchrun --nproc-per-node 2 -m megatron_cp_plugin.bench.cp_attention --seq 131072
 
-Every rank times the same call with CUDA events (median of --iters after --warmup); the single-GPU baseline
-runs on rank 0 alone over the full sequence with the default local kernel (cuDNN on Hopper).
-Reported: ms, TFLOP/s per GPU (FLOP formula printed), and the ratio to the single-GPU time.
+Every rank times the same call with CUDA events (median of --iters after --warmup), the slowest rank
+counting; the single-GPU baseline runs on rank 0 alone over the full sequence with the default local kernel
+(cuDNN on Hopper). Reported: ms, TFLOP/s per GPU (FLOP formula printed), the ratio to the single-GPU time
+(scaling efficiency = 1 / (P * ratio)), the ratio to the fastest PyTorch native CP configuration, peak
+memory, and bytes sent per fwd+bwd (our algorithms count them; anchors do not expose theirs).
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 import megatron_cp_plugin as mcp
+from megatron_cp_plugin.bench.anchors import Unavailable, builders
 from megatron_cp_plugin.bench._common import (FLOP_FORMULA, attention_flop, gather_max, init_distributed, time_ms,
                                               write_report)
 from megatron_cp_plugin.kernels.local_attn import block_bwd, block_fwd, select_backend
@@ -43,6 +48,15 @@ def _cp(algo, q, k, v, do, causal, group):
     return fwd, fwd_bwd, stats
 
 
+def _ratio_to_torch_cp(rows):
+    """Add fwd_bwd_x_torch_cp: each row's fwd+bwd time over the fastest PyTorch native CP row of its S."""
+    for r in rows:
+        best = [x["fwd_bwd_ms"] for x in rows if x["S"] == r["S"] and x["algo"].startswith("torch-cp-")
+                and "fwd_bwd_ms" in x]
+        if "fwd_bwd_ms" in r:
+            r["fwd_bwd_x_torch_cp"] = r["fwd_bwd_ms"] / min(best) if best else float("nan")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seq", type=int, nargs="+", default=[32768, 131072])
@@ -52,6 +66,8 @@ def main(argv=None):
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--no-causal", action="store_true")
     p.add_argument("--algos", nargs="+", default=list(mcp.ALGORITHMS))
+    p.add_argument("--anchors", nargs="*", default=None, help="external anchors to run (default: all of "
+                   "bench/anchors.py; none with an empty list)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--out", default="results/cp_attention")
@@ -79,26 +95,49 @@ def main(argv=None):
                          "fwd_ms": base["fwd"], "fwd_bwd_ms": base["fwd_bwd"],
                          "fwd_TFLOPs/GPU": f1 / base["fwd"] / 1e9, "fwd_bwd_TFLOPs/GPU": f2 / base["fwd_bwd"] / 1e9,
                          "fwd_x_single": 1.0, "fwd_bwd_x_single": 1.0, "MB_sent_fwd_bwd": 0.0})
+            if dev.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+                fwd_bwd()
+            base["peak_GiB"] = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else 0.0
+            rows[-1]["peak_GiB"] = base["peak_GiB"]
         dist.barrier()
-        for algo in a.algos:
-            fwd, fwd_bwd, stats = _cp(algo, q, k, v, do, causal, group)
-            t1 = time_ms(fwd, warmup=a.warmup, iters=a.iters)
-            t2 = time_ms(fwd_bwd, warmup=a.warmup, iters=a.iters)
-            t1, t2 = gather_max(t1), gather_max(t2)
+        anchors = builders(causal)
+        names = list(a.algos) + [n for n in anchors if a.anchors is None or n in a.anchors]
+        for name in names:
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            stats, closer = None, None
+            try:
+                if name in anchors:
+                    fwd, fwd_bwd, closer = anchors[name](q, k, v, do)
+                else:
+                    fwd, fwd_bwd, stats = _cp(name, q, k, v, do, causal, group)
+            except Unavailable as e:
+                if rank == 0:
+                    rows.append({"S": s, "algo": f"{name} (not run: {e})", "P": world})
+                continue
+            t1 = gather_max(time_ms(fwd, warmup=a.warmup, iters=a.iters))
+            t2 = gather_max(time_ms(fwd_bwd, warmup=a.warmup, iters=a.iters))
+            peak = gather_max(torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else 0.0)
+            if closer is not None:
+                closer.close()
             if rank == 0:
                 calls = a.warmup + a.iters + 1
-                rows.append({"S": s, "algo": algo, "P": world, "fwd_ms": t1, "fwd_bwd_ms": t2,
+                sent = (stats.forward_bytes + stats.backward_bytes) / calls / 2**20 if stats else float("nan")
+                rows.append({"S": s, "algo": name, "P": world, "fwd_ms": t1, "fwd_bwd_ms": t2,
                              "fwd_TFLOPs/GPU": f1 / world / t1 / 1e9, "fwd_bwd_TFLOPs/GPU": f2 / world / t2 / 1e9,
                              "fwd_x_single": t1 / base["fwd"], "fwd_bwd_x_single": t2 / base["fwd_bwd"],
-                             "MB_sent_fwd_bwd": (stats.forward_bytes + stats.backward_bytes) / calls / 2**20})
+                             "MB_sent_fwd_bwd": sent, "peak_GiB": peak})
         del q, k, v, do
         torch.cuda.empty_cache() if dev.type == "cuda" else None
     if rank == 0:
+        _ratio_to_torch_cp(rows)
         name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
         link = " over sockets (--slow-link)" if a.slow_link else ""
         header = (f"cp_attention: b={a.batch} h={a.heads} h_kv={hk} d={a.head_dim} causal={causal} {dtype} on "
                   f"{world} x {name}{link}. {FLOP_FORMULA}. Median of {a.iters} after {a.warmup} warm-up.")
-        print(write_report(rows, a.out, header))
+        print(write_report(rows, a.out, header, plot=("S", "fwd_bwd_ms", "algo")))
     dist.destroy_process_group()
 
 

@@ -129,7 +129,7 @@ def main(argv=None):
                   f"layer: tree moves (o, lse) = b*h*(d+1)*4 = {a.heads * (a.head_dim + 1) * 4} B per all-reduce; "
                   f"ring-decode moves (P-1) shards of context/P * 2*h_kv*d*2 = {kv_bytes} B per token; the local "
                   f"step reads context/P * {kv_bytes} B.")
-        print(write_report(rows, a.out, header), flush=True)
+        print(write_report(rows, a.out, header, plot=("context", "step_ms", "method")), flush=True)
     dist.destroy_process_group()
 
 

@@ -56,7 +56,7 @@ def main(argv=None):
     header = (f"flash-decoding, one {torch.cuda.get_device_name(dev)}: b=1, n_q={a.n_q}, h={a.heads}, "
               f"h_kv={a.kv_heads}, d={a.head_dim}, bf16, median of {a.iters}. Bytes = 2 * context * h_kv * d * 2; "
               f"measured copy bandwidth {bw / 1e12:.2f} TB/s.")
-    print(write_report(rows, a.out, header), flush=True)
+    print(write_report(rows, a.out, header, plot=("context", "ms", "kernel")), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,59 @@
+"""`megatron-cp-bench SUBCOMMAND [flags]`: every benchmark behind one command (`--help` on each).
+
+    torchrun --nproc-per-node 2 -m megatron_cp_plugin.bench attention --seq 131072 [--slow-link]
+    torchrun --nproc-per-node 2 -m megatron_cp_plugin.bench decode --context 32768 131072 524288
+    torchrun --nproc-per-node 2 -m megatron_cp_plugin.bench model --config configs/gpt3-760m.toml --seq-length 65536
+    python -m megatron_cp_plugin.bench deft | flash-decode | local-attn | cost-model --table ...
+    python -m megatron_cp_plugin.bench plot results/attention.json
+
+Subcommands that need several GPUs run under torchrun; each writes JSON (with the command and device), a
+markdown table and, where matplotlib is installed, a PNG next to --out.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+
+SUBCOMMANDS = {
+    "attention": ("megatron_cp_plugin.bench.cp_attention", "CP attention algorithms, single GPU and anchors"),
+    "decode": ("megatron_cp_plugin.bench.decode", "tree decoding variants vs ring decoding vs one GPU"),
+    "layer": ("megatron_cp_plugin.bench.model", "one Megatron transformer layer per algorithm"),
+    "model": ("megatron_cp_plugin.bench.model", "a whole GPT config per algorithm: tokens/s, TFLOP/s, MFU"),
+    "deft": ("megatron_cp_plugin.bench.deft", "DeFT tree-attention workloads against the baselines"),
+    "flash-decode": ("megatron_cp_plugin.bench.flash_decode", "the split-KV decode kernel vs prefill kernels"),
+    "local-attn": ("megatron_cp_plugin.bench.local_attn", "local attention kernels (cuDNN, FA2, math)"),
+    "cost-model": ("megatron_cp_plugin.cost_model", "predicted times and bytes of every algorithm"),
+    "plot": (None, "draw the PNG of a result JSON (when it was written without matplotlib)"),
+}
+
+
+def _usage() -> str:
+    return __doc__ + "\nsubcommands:\n" + "\n".join(f"  {k:13s} {v[1]}" for k, v in SUBCOMMANDS.items())
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    cmd, rest = argv[0], argv[1:]
+    if cmd not in SUBCOMMANDS:
+        raise SystemExit(f"megatron-cp-bench: unknown subcommand {cmd!r}; expected one of {', '.join(SUBCOMMANDS)}")
+    if cmd == "plot":
+        from ._common import plot_rows
+        for path in rest:
+            with open(path) as f:
+                res = json.load(f)
+            if not res.get("plot"):
+                raise SystemExit(f"{path} names no plot columns")
+            plot_rows(res["rows"], path[:-len(".json")] + ".png", *res["plot"], title=res["header"].split(".")[0])
+        return 0
+    module = importlib.import_module(SUBCOMMANDS[cmd][0])
+    if cmd == "layer":
+        rest = ["--num-layers", "1", *rest]
+    return module.main(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
