@@ -28,7 +28,7 @@ from ..kernels.local_attn import decode_fwd
 from ..kernels.merge import _finite, merge_
 
 VARIANTS = ("allreduce3", "allreduce2", "allgather")
-DEFAULT_VARIANT = "allreduce2"   # fastest or tied in docs/results/decode.md (2 x H200, 32k-512k)
+DEFAULT_VARIANT = "allgather"    # fastest eager at 32k-512k on 2 x H200 (docs/results/decode.md): one collective + one fused merge kernel
 
 
 def _check(q, k, v, group, variant, kv_positions, q_positions, validate):

@@ -100,7 +100,8 @@ def main(argv=None):
         small = torch.zeros(a.heads * (a.head_dim + 1), device=dev)
         methods["all_reduce of (o, lse) bytes only"] = lambda: [dist.all_reduce(small) for _ in range(a.layers)]
         if not a.no_graphs:
-            for name in ("tree allreduce2", "tree allreduce3", "ring-decode", "local shard only (no merge)"):
+            for name in ("tree allgather", "tree allreduce2", "tree allreduce3", "ring-decode",
+                         "local shard only (no merge)"):
                 replay = graphed(methods[name])
                 if replay is not None:
                     methods[name + " (CUDA graph)"] = replay
