@@ -1,22 +1,38 @@
-"""Megatron flags for the plugin (an `extra_args_provider`) and the small typed config they map to."""
+"""Megatron flags for the plugin (an `extra_args_provider`) and the small typed config they map to.
+
+`--context-parallel-algo auto` (and `attention2d`, which picks attention2d-no or -o) is resolved at start-up,
+in `CPConfig`, by the cost model (`megatron_cp_plugin.cost_model.choose_algo`) from the model's shape, the CP
+size and `--cp-hardware`; rank 0 prints the choice and the predicted times in one line.
+"""
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 from dataclasses import dataclass
 
 from ..algos import ALGORITHMS
+from ..cost_model import HARDWARE, Problem, choose_algo
 
-ALGO_CHOICES = ("ring", "burst", "attention2d") + tuple(a for a in ALGORITHMS if a.startswith("attention2d"))
+A2D = tuple(a for a in ALGORITHMS if a.startswith("attention2d"))
+MODEL_CHOSEN = ("auto", "attention2d")
+"""Flag values the cost model resolves to a concrete algorithm."""
+ALGO_CHOICES = ("auto", "ring", "burst", "attention2d") + A2D
+DEFAULT_HARDWARE = "h200-nvlink"
 
 
 def add_cp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Megatron's `extra_args_provider` shape: adds the plugin's flags and returns the parser."""
     g = parser.add_argument_group("context-parallel attention (megatron-cp-plugin)")
     g.add_argument("--context-parallel-algo", choices=ALGO_CHOICES, default=None,
-                   help="context-parallel attention algorithm; attention2d picks the NO variant for now")
+                   help="context-parallel attention algorithm; auto: the cost model's fastest for this model, CP "
+                        "size and --cp-hardware; attention2d: the faster of attention2d-no and -o by the cost model")
     g.add_argument("--cp-grid", default=None, metavar="RxC", help="Attention2D grid, rows x cols = CP size")
     g.add_argument("--cp-gpus-per-node", type=int, default=None, metavar="N",
                    help="GPUs per node: Attention2D keeps grid rows inside a node")
+    g.add_argument("--cp-hardware", choices=sorted(HARDWARE), default=DEFAULT_HARDWARE,
+                   help="the cluster the cost model assumes for auto / attention2d (cost_model.HARDWARE; "
+                        "--cp-gpus-per-node overrides its GPUs per node)")
     return parser
 
 
@@ -25,7 +41,8 @@ class CPConfig:
     """The plugin's settings for one run, checked at start-up (every rank raises the same ValueError)."""
 
     algo: str
-    """Concrete algorithm: one of megatron_cp_plugin.ALGORITHMS ("attention2d" resolved to a variant)."""
+    """Algorithm: one of megatron_cp_plugin.ALGORITHMS after construction; "auto" and "attention2d" are resolved
+    by the cost model (attention2d without a model shape: attention2d-no)."""
     cp_size: int = 1
     """Context-parallel group size (Megatron's --context-parallel-size)."""
     grid: tuple[int, int] | None = None
@@ -34,27 +51,77 @@ class CPConfig:
     """GPUs per node, for Attention2D's node-aware placement; None: column-major placement."""
     seq_length: int | None = None
     """Full sequence length, checked against the layout (2 * cp_size for zigzag, cp_size for cyclic)."""
+    heads: int | None = None
+    """Query heads per tensor-parallel rank (the cost model's input; needed by auto)."""
+    kv_heads: int | None = None
+    """Key/value heads per tensor-parallel rank; None: heads."""
+    head_dim: int | None = None
+    """Head dimension; None: 128."""
+    micro_batch: int = 1
+    """Sequences per attention call."""
+    dtype_bytes: int = 2
+    """Element size of q, k, v (2 for bf16/fp16, 4 for fp32)."""
+    hardware: str = DEFAULT_HARDWARE
+    """cost_model.HARDWARE preset the cost model assumes."""
+    requested: str | None = None
+    """The flag value before resolution ("auto" or "attention2d"); None when a concrete algo was given."""
+    predicted: dict | None = None
+    """Predicted seconds per candidate (fwd + bwd of one layer's attention) when the cost model chose."""
 
     def __post_init__(self):
-        if self.algo == "attention2d":
-            self.algo = "attention2d-no"   # the cost model (issue 8) will choose; NO until then
-        if self.algo not in ALGORITHMS:
+        if self.algo not in ALGO_CHOICES:
             raise ValueError(f"--context-parallel-algo must be one of {ALGO_CHOICES}, got {self.algo!r}")
-        if self.cp_size < 1:
+        if not isinstance(self.cp_size, int) or self.cp_size < 1:
             raise ValueError(f"--context-parallel-size must be >= 1, got {self.cp_size}")
-        if self.grid is not None:
-            if not self.algo.startswith("attention2d"):
-                raise ValueError(f"--cp-grid is for attention2d, not --context-parallel-algo {self.algo}")
-            if self.grid[0] * self.grid[1] != self.cp_size:
-                raise ValueError(f"--cp-grid {self.grid[0]}x{self.grid[1]} has {self.grid[0] * self.grid[1]} ranks, "
-                                 f"but --context-parallel-size is {self.cp_size}")
+        if self.grid is not None and self.grid[0] * self.grid[1] != self.cp_size:
+            raise ValueError(f"--cp-grid {self.grid[0]}x{self.grid[1]} has {self.grid[0] * self.grid[1]} ranks, "
+                             f"but --context-parallel-size is {self.cp_size}")
         if self.gpus_per_node is not None and self.gpus_per_node < 1:
             raise ValueError(f"--cp-gpus-per-node must be >= 1, got {self.gpus_per_node}")
+        if self.hardware not in HARDWARE:
+            raise ValueError(f"--cp-hardware must be one of {sorted(HARDWARE)}, got {self.hardware!r}")
+        if self.algo in MODEL_CHOSEN:
+            self.requested = self.algo
+            self.algo, self.predicted = self._choose()
+        if self.grid is not None and not self.algo.startswith("attention2d"):
+            raise ValueError(f"--cp-grid is for attention2d, not --context-parallel-algo {self.algo}")
         if self.seq_length is not None:
             div = self.cp_size if self.algo.startswith("attention2d") else 2 * self.cp_size
             if self.seq_length % div:
                 raise ValueError(f"--seq-length {self.seq_length} must be divisible by {div} for "
                                  f"--context-parallel-algo {self.algo} with --context-parallel-size {self.cp_size}")
+
+    def _choose(self) -> tuple[str, dict | None]:
+        """(algo, predicted seconds per candidate) for "auto" / "attention2d" by the cost model."""
+        # --cp-grid only makes sense for Attention2D, so auto then chooses between its two variants.
+        cands = A2D if self.requested == "attention2d" or self.grid is not None else ALGORITHMS
+        if self.seq_length is None or self.heads is None:
+            if self.requested == "attention2d":
+                return "attention2d-no", None          # no model shape: the variant with NCCL's collectives
+            raise ValueError("--context-parallel-algo auto needs the model shape (--seq-length and "
+                             "--num-attention-heads) to choose an algorithm")
+        if self.seq_length % self.cp_size:
+            raise ValueError(f"--seq-length {self.seq_length} must be divisible by --context-parallel-size "
+                             f"{self.cp_size}")
+        hw = HARDWARE[self.hardware]
+        if self.gpus_per_node is not None:
+            hw = dataclasses.replace(hw, gpus_per_node=self.gpus_per_node)
+        pb = Problem(self.seq_length, self.cp_size, self.heads, self.kv_heads, self.head_dim or 128,
+                     self.micro_batch, self.dtype_bytes, grid=self.grid, node_aware=self.gpus_per_node is not None)
+        return choose_algo(pb, hw, cands)
+
+    def choice_line(self) -> str | None:
+        """One line saying what the cost model chose and its predicted times (None for a concrete --algo)."""
+        if self.requested is None:
+            return None
+        head = f"megatron-cp-plugin: --context-parallel-algo {self.requested} -> {self.algo}"
+        if self.predicted is None:
+            return head + " (no model shape given: the cost model was not consulted)"
+        times = ", ".join(f"{a} {t * 1e3:.3g} ms" for a, t in sorted(self.predicted.items(), key=lambda x: x[1]))
+        grid = f", grid {self.grid[0]}x{self.grid[1]}" if self.grid else ""
+        return (f"{head} (CP {self.cp_size}, seq {self.seq_length}, heads {self.heads}/{self.kv_heads or self.heads}, "
+                f"head dim {self.head_dim or 128}, micro-batch {self.micro_batch}, {self.dtype_bytes}-byte elements, "
+                f"{self.hardware}{grid}); predicted attention fwd+bwd per layer: {times}")
 
 
 def parse_grid(text: str | None) -> tuple[int, int] | None:
@@ -67,13 +134,53 @@ def parse_grid(text: str | None) -> tuple[int, int] | None:
     return r, c
 
 
+def _model_shape(args) -> dict:
+    """Heads, KV heads and head dim per tensor-parallel rank, micro-batch and element size from Megatron-style
+    args (Megatron-LM sets num_query_groups = 1 unless --group-query-attention; ours leaves it None for MHA)."""
+    heads = getattr(args, "num_attention_heads", None)
+    if not heads:
+        return {}
+    tp = getattr(args, "tensor_model_parallel_size", None) or 1
+    groups = getattr(args, "num_query_groups", None)
+    if not groups or not getattr(args, "group_query_attention", True):
+        groups = heads
+    hidden = getattr(args, "hidden_size", None)
+    head_dim = getattr(args, "kv_channels", None) or (hidden // heads if hidden else None)
+    half = getattr(args, "bf16", False) or getattr(args, "fp16", False)
+    return dict(heads=max(1, heads // tp), kv_heads=max(1, groups // tp), head_dim=head_dim,
+                micro_batch=getattr(args, "micro_batch_size", None) or 1, dtype_bytes=2 if half else 4)
+
+
+_LOGGED: set = set()
+
+
+def _is_rank0() -> bool:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
+    return os.environ.get("RANK", "0") == "0"
+
+
+def log_choice(cfg: CPConfig) -> None:
+    """Print cfg.choice_line() on rank 0, once per process for a given line (resolve_algo runs per batch)."""
+    line = cfg.choice_line()
+    if line is not None and line not in _LOGGED and _is_rank0():
+        _LOGGED.add(line)
+        print(line, flush=True)
+
+
 def config_from_args(args) -> CPConfig:
-    """CPConfig from Megatron-style parsed args (context_parallel_algo, context_parallel_size, cp_grid, ...)."""
-    return CPConfig(algo=args.context_parallel_algo or "ring", cp_size=getattr(args, "context_parallel_size", 1),
-                    grid=parse_grid(getattr(args, "cp_grid", None)), gpus_per_node=getattr(args, "cp_gpus_per_node", None),
-                    seq_length=getattr(args, "seq_length", None))
+    """CPConfig from Megatron-style parsed args (context_parallel_algo, context_parallel_size, cp_grid, the model
+    shape for auto, ...); logs the cost model's choice on rank 0 when it made one."""
+    cfg = CPConfig(algo=args.context_parallel_algo or "ring", cp_size=getattr(args, "context_parallel_size", 1) or 1,
+                   grid=parse_grid(getattr(args, "cp_grid", None)),
+                   gpus_per_node=getattr(args, "cp_gpus_per_node", None), seq_length=getattr(args, "seq_length", None),
+                   hardware=getattr(args, "cp_hardware", None) or DEFAULT_HARDWARE, **_model_shape(args))
+    log_choice(cfg)
+    return cfg
 
 
 def resolve_algo(args) -> str:
-    """The concrete algorithm for parsed args (`attention2d` -> its variant)."""
+    """The concrete algorithm for parsed args (`auto`, `attention2d` -> the cost model's choice)."""
     return config_from_args(args).algo

@@ -1,0 +1,313 @@
+"""The cost model: its bytes equal the algorithms' byte counters on gloo, its picks are sensible, `auto`
+resolves through the Megatron flags, bad input raises."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import megatron_cp_plugin as mcp
+from megatron_cp_plugin import cost_model as cm
+from megatron_cp_plugin.cost_model import HARDWARE, DecodeProblem, Hardware, Problem, choose_algo
+
+DTYPES = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
+
+
+# ------------------------------------------------------------------------------------- bytes vs CommStats
+def _counted(rank, world, cases):
+    """(forward, backward) CommStats bytes of each case: (algo, grid (R, C, gpus_per_node) or None, e, h, h_kv,
+    d, b, tokens per rank, causal)."""
+    from megatron_cp_plugin.comm import get_grid
+
+    out = []
+    for algo, grid, e, h, hk, d, b, s_l, causal in cases:
+        g = torch.Generator().manual_seed(len(out))
+        seq = s_l * world
+        q, do = (torch.randn(b, seq, h, d, generator=g).to(DTYPES[e]) for _ in range(2))
+        k, v = (torch.randn(b, seq, hk, d, generator=g).to(DTYPES[e]) for _ in range(2))
+        group = get_grid(dist.group.WORLD, grid[:2], gpus_per_node=grid[2]) if grid else None
+        shard = lambda t: mcp.shard_sequence(t, algo=algo).detach()  # noqa: E731
+        ql, kl, vl = (shard(t).requires_grad_() for t in (q, k, v))
+        stats = mcp.CommStats()
+        o = mcp.context_parallel_attention(ql, kl, vl, algo=algo, group=group, causal=causal, comm_stats=stats)
+        o.backward(shard(do))
+        out.append((stats.forward_bytes, stats.backward_bytes))
+    return out
+
+
+def _model(world, case, rank):
+    algo, grid, e, h, hk, d, b, s_l, causal = case
+    pb = Problem(s_l * world, world, h, hk, d, b, e, causal, grid=grid[:2] if grid else None)
+    return cm.comm_bytes(algo, pb, gpus_per_node=grid[2] if grid else None, rank=rank)
+
+
+# (P, cases): MHA and GQA, bf16 / fp32 / fp64 (fp64 accumulators), causal or not, batch and head dims, square
+# and rectangular grids both ways, column-major (K, V permuted) and node-aware row-major placement.
+BYTE_CASES = {
+    2: [("ring", None, 2, 4, 4, 8, 1, 6, True), ("burst", None, 4, 8, 2, 16, 2, 4, False),
+        ("burst", None, 8, 4, 1, 8, 1, 2, True), ("attention2d-no", None, 2, 4, 4, 8, 1, 6, True),
+        ("attention2d-o", (2, 1, None), 4, 8, 2, 8, 2, 3, True),
+        ("attention2d-no", (1, 2, 2), 8, 4, 2, 8, 1, 4, False)],
+    4: [("ring", None, 4, 8, 2, 8, 2, 4, True), ("burst", None, 2, 4, 4, 16, 1, 6, True),
+        ("attention2d-no", (2, 2, None), 2, 8, 2, 8, 1, 5, True),
+        ("attention2d-o", (2, 2, None), 4, 4, 4, 8, 2, 3, False),
+        ("attention2d-no", (2, 2, 2), 4, 4, 4, 8, 1, 3, True), ("attention2d-o", (2, 2, 4), 2, 8, 2, 16, 1, 3, True),
+        ("attention2d-o", (1, 4, None), 4, 4, 1, 8, 1, 3, True),
+        ("attention2d-no", (4, 1, None), 8, 8, 2, 8, 1, 2, True)],
+}
+
+
+@pytest.mark.parametrize("world", sorted(BYTE_CASES))
+def test_model_bytes_equal_comm_stats(pools, world):
+    cases = BYTE_CASES[world]
+    counted = pools(world).run(_counted, cases, timeout=120)
+    for rank, got in enumerate(counted):
+        for case, c in zip(cases, got):
+            assert c == _model(world, case, rank), (world, rank, case)
+            assert c[0] > 0 and c[1] > 0
+    # The column-major 2 x 2 grid moves the K, V of ranks 1 and 2 only; the row-major one moves none.
+    if world == 4:
+        perm = [got[2][0] for got in counted]
+        assert perm[1] == perm[2] > perm[0] == perm[3]
+        assert len({got[4][0] for got in counted}) == 1
+
+
+def _decode_counted(rank, world, cases):
+    """Bytes sent by one tree_decode / ring_decode call, counted at the torch.distributed calls with comm.py's
+    convention (all-reduce 2 (g-1)/g of the buffer, all-gather (g-1) inputs, p2p the sent tensors)."""
+    from unittest import mock
+
+    from megatron_cp_plugin import comm
+    from megatron_cp_plugin.algos.ring_decode import ring_decode
+
+    sent = [0]
+    nb = lambda t: t.numel() * t.element_size()  # noqa: E731
+    real_ar, real_ag, real_p2p = dist.all_reduce, comm._ALL_GATHER, dist.batch_isend_irecv
+
+    def all_reduce(t, *a, **kw):
+        sent[0] += 2 * (world - 1) * nb(t) // world
+        return real_ar(t, *a, **kw)
+
+    def all_gather(out, inp, *a, **kw):
+        sent[0] += (world - 1) * nb(inp)
+        return real_ag(out, inp, *a, **kw)
+
+    def batch(ops):
+        sent[0] += sum(nb(op.tensor) for op in ops if op.op is dist.isend)
+        return real_p2p(ops)
+
+    out = []
+    with mock.patch.object(dist, "all_reduce", all_reduce), mock.patch.object(comm, "_ALL_GATHER", all_gather), \
+            mock.patch.object(dist, "batch_isend_irecv", batch):
+        for method, e, h, hk, d, b, n_q, s_l, positions in cases:
+            g = torch.Generator().manual_seed(3)
+            q = torch.randn(b, n_q, h, d, generator=g).to(DTYPES[e])
+            k, v = (torch.randn(b, s_l, hk, d, generator=g).to(DTYPES[e]) for _ in range(2))
+            sent[0] = 0
+            if method == "ring-decode":
+                pos = (torch.arange(s_l) + rank * s_l).expand(b, s_l).contiguous() if positions else None
+                ring_decode(q, k, v, kv_positions=pos)
+            else:
+                mcp.tree_decode(q, k, v, variant=method.split("-")[1], validate=False)
+            out.append(sent[0])
+    return out
+
+
+DECODE_CASES = [("tree-allreduce3", 4, 8, 2, 16, 2, 1, 5, False), ("tree-allreduce2", 4, 4, 4, 8, 1, 3, 4, False),
+                ("tree-allgather", 8, 8, 2, 8, 2, 2, 3, False), ("tree-allreduce2", 8, 8, 8, 8, 1, 1, 3, False),
+                ("ring-decode", 4, 8, 2, 16, 2, 1, 5, False), ("ring-decode", 8, 4, 1, 8, 1, 1, 4, True),
+                ("ring-decode", 2, 4, 2, 8, 1, 1, 6, False)]
+
+
+@pytest.mark.parametrize("world", (2, 4))
+def test_decode_bytes_equal_counted(pools, world):
+    for rank, got in enumerate(pools(world).run(_decode_counted, DECODE_CASES, timeout=120)):
+        for (m, e, h, hk, d, b, n_q, s_l, positions), c in zip(DECODE_CASES, got):
+            pb = DecodeProblem(s_l * world, world, h, hk, d, b, n_q, e, positions)
+            assert c == cm.decode_bytes(m, pb) > 0, (world, rank, m, c)
+
+
+def test_bytes_match_the_papers_volumes():
+    """burst-attention.txt Table 1 (volume summed over ranks, in elements, equal element sizes: forward 2BZNd,
+    backward ring 4BZNd with K, V, dK, dV, burst 3BZNd + 2BNZ) and attention2d.txt Sec. 3.3 (per-rank volume
+    falling like 1/sqrt(P) at fixed N)."""
+    N, b, h, d, P = 4096, 1, 8, 64, 8
+    pb = Problem(N, P, h, head_dim=d, dtype_bytes=4)
+    ring, burst = cm.comm_bytes("ring", pb), cm.comm_bytes("burst", pb)
+    per = lambda x: x * P // (P - 1) // 4  # noqa: E731 - all ranks' elements, per P - 1 ring steps
+    assert per(ring[0]) == per(burst[0]) == 2 * b * h * N * d
+    assert per(ring[1]) == 4 * b * h * N * d
+    assert per(burst[1]) == 3 * b * h * N * d + 2 * b * N * h
+    a2d = [sum(cm.comm_bytes("attention2d-no", Problem(N * 4, r * r, h, grid=(r, r)), gpus_per_node=r))
+           for r in (2, 4, 8)]
+    assert a2d[0] > a2d[1] > a2d[2] and 0.4 < a2d[2] / a2d[1] < 0.6      # (sqrt(P) - 1) / P chunks
+
+
+# ------------------------------------------------------------------------------------- predictions
+def test_predictions_track_the_p2_measurements():
+    """docs/results: within 25% on NVLink and sockets at P = 2, and the sockets ranking of fwd+bwd is the
+    measured one at both lengths (attention2d-no < burst < attention2d-o < ring)."""
+    for name, meas in (("h200-nvlink", cm.MEASURED_NVLINK), ("h200-sockets", cm.MEASURED_SOCKETS)):
+        for (S, algo), (fwd, total) in meas.items():
+            p = cm.predict(algo, Problem(S, 2, 16), HARDWARE[name])
+            assert abs(p.fwd_s * 1e3 / fwd - 1) < 0.25 and abs(p.total_s * 1e3 / total - 1) < 0.25, (name, S, algo)
+    for S in (32768, 131072):
+        pred = {a: cm.predict(a, Problem(S, 2, 16), HARDWARE["h200-sockets"]).total_s for a in mcp.ALGORITHMS}
+        meas = {a: cm.MEASURED_SOCKETS[S, a][1] for a in mcp.ALGORITHMS}
+        assert sorted(pred, key=pred.get) == sorted(meas, key=meas.get) == [
+            "attention2d-no", "burst", "attention2d-o", "ring"]
+
+
+def test_choose_algo_picks():
+    # 2 GPUs over NVLink: compute-bound, the zigzag ring family (measured fastest there).
+    name, times = choose_algo(Problem(131072, 2, 16), HARDWARE["h200-nvlink"])
+    assert name in ("ring", "burst") and set(times) == set(mcp.ALGORITHMS)
+    assert min(times.values()) == times[name] and all(t > 0 for t in times.values())
+    # P = 16 over slow inter-node links (16 single-GPU Ethernet nodes, or 4 nodes of 4 A100 with a NIC per
+    # GPU): Attention2D. With one NIC shared by the 4 A100 of a node, every Attention2D rank's column traffic
+    # queues for it while ring's single crossing per node has it alone: burst wins there.
+    a100 = HARDWARE["a100-pcie"]
+    for hw in (HARDWARE["h100-eth"], dataclasses.replace(a100, nics_per_node=None)):
+        name, times = choose_algo(Problem(262144, 16, 32), hw)
+        assert name.startswith("attention2d") and times[name] < 0.7 * times["ring"], (hw, times)
+    assert choose_algo(Problem(262144, 16, 32), a100)[0] == "burst"
+    # GQA (h / h_kv = 4) over a slow link: ring's K, V are 4x smaller than burst's Q, dO.
+    name, times = choose_algo(Problem(131072, 4, 32, 8), HARDWARE["h200-sockets"])
+    assert name == "ring" and times["burst"] > 1.5 * times["ring"]
+    # The fwd-only objective, the attention2d variants alone, and a length only the cyclic layout can shard.
+    name, times = choose_algo(Problem(131072, 2, 16, backward=False), HARDWARE["h200-sockets"],
+                              ("attention2d-no", "attention2d-o"))
+    assert name == "attention2d-no" and set(times) == {"attention2d-no", "attention2d-o"}
+    name, times = choose_algo(Problem(12, 4, 4), HARDWARE["h200-nvlink"])             # 12 % 8 != 0
+    assert set(times) == {"attention2d-no", "attention2d-o"}
+
+
+def test_scaling_shape():
+    """Fixed N: per-rank attention2d bytes fall with P, ring's stay flat; over a slow link that makes
+    attention2d scale where ring does not (attention2d.txt Sec. 4.2)."""
+    hw = HARDWARE["h100-eth"]
+    ring = [cm.predict("ring", Problem(262144, P, 32), hw) for P in (16, 64)]
+    a2d = [cm.predict("attention2d-no", Problem(262144, P, 32), hw) for P in (16, 64)]
+    assert ring[1].fwd_bytes + ring[1].bwd_bytes >= ring[0].fwd_bytes + ring[0].bwd_bytes
+    assert a2d[1].fwd_bytes + a2d[1].bwd_bytes < 0.6 * (a2d[0].fwd_bytes + a2d[0].bwd_bytes)
+    assert a2d[1].total_s < 0.6 * a2d[0].total_s and ring[1].total_s > 0.8 * ring[0].total_s
+    # Node-aware placement: an 8 x 8 grid on 8-GPU nodes keeps rows (Q, dO, fp32 partials, dQ) on NVLink and
+    # sends columns (K, V, fp32 dK, dV) over InfiniBand: a clear gain with GQA, where columns are 4x smaller;
+    # with MHA fwd+bwd the columns carry slightly more than the rows, so it is a wash there.
+    ib = HARDWARE["h100-ib"]
+    aware, col = (cm.predict("attention2d-no", Problem(262144, 64, 32, 8, node_aware=na), ib) for na in (True, False))
+    assert aware.row_major and not col.row_major and aware.total_s < 0.85 * col.total_s
+    aware, col = (cm.predict("attention2d-no", Problem(262144, 64, 32, node_aware=na), ib) for na in (True, False))
+    assert aware.fwd_s < col.fwd_s and abs(aware.total_s / col.total_s - 1) < 0.05
+
+
+def test_decode_tree_beats_ring_and_one_gpu_at_long_context():
+    hw = HARDWARE["h100-ib"]
+    for P in (8, 128):
+        dp = DecodeProblem(5_120_000, P, 16)
+        best, t = cm.choose_decode(dp, hw)
+        assert best.startswith("tree") and t["ring-decode"] > 8 * t[best]
+    one = cm.predict_decode("tree-allreduce2", DecodeProblem(1 << 20, 1, 32, 8), HARDWARE["h200-nvlink"])
+    eight = cm.predict_decode("tree-allreduce2", DecodeProblem(1 << 20, 8, 32, 8), HARDWARE["h200-nvlink"])
+    assert eight < one / 3
+    # Bytes: tree moves one (o, lse) per query, independent of the context; ring the whole cache.
+    small, big = (cm.decode_bytes("tree-allreduce2", DecodeProblem(S, 8, 32, 8)) for S in (1024, 1 << 20))
+    ring = cm.decode_bytes("ring-decode", DecodeProblem(1 << 20, 8, 32, 8))
+    assert small == big and ring == 7 * (1 << 17) * 8 * 128 * 4           # 7 shards of K, V, bf16
+
+
+def test_cli_prints_tables(capsys):
+    assert cm.main(["--table", "measured", "node8", "decode"]) == 0
+    out = capsys.readouterr().out
+    assert "| 128k | attention2d-no | 1x2 |" in out and "| 8 | 512k | 32/8 |" in out and "ring-decode" in out
+    assert cm.main(["--seq", "65536", "--cp", "4", "--heads", "16", "--kv-heads", "4", "--grid", "4x1"]) == 0
+    assert "choose_algo: " in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------------- Megatron flags
+def _args(*flags, **shape):
+    from megatron_cp_plugin.megatron.args import add_cp_args
+
+    a = add_cp_args(argparse.ArgumentParser()).parse_args(list(flags))
+    for k, v in dict(num_attention_heads=32, num_query_groups=None, hidden_size=4096, seq_length=131072,
+                     context_parallel_size=8, micro_batch_size=1, bf16=True).items():
+        setattr(a, k, shape.get(k, v))
+    return a
+
+
+def test_auto_resolves_through_args(capsys, monkeypatch):
+    from megatron_cp_plugin.megatron import args as margs
+
+    monkeypatch.setattr(margs, "_LOGGED", set())
+    a = _args("--context-parallel-algo", "auto", "--cp-hardware", "h200-sockets")
+    cfg = margs.config_from_args(a)
+    want, times = choose_algo(Problem(131072, 8, 32, node_aware=False), HARDWARE["h200-sockets"])
+    assert cfg.algo == want == margs.resolve_algo(a) and cfg.requested == "auto" and cfg.predicted == times
+    lines = capsys.readouterr().out.strip().splitlines()                # logged once for two resolutions
+    assert len(lines) == 1 and f"auto -> {want}" in lines[0] and "h200-sockets" in lines[0]
+    # Megatron-LM's args: num_query_groups = 1 unless --group-query-attention; tensor parallelism splits heads.
+    cfg = margs.config_from_args(_args("--context-parallel-algo", "auto", num_query_groups=1))
+    assert (cfg.heads, cfg.kv_heads) == (32, 1)
+    b = _args("--context-parallel-algo", "auto", num_query_groups=1)
+    b.group_query_attention, b.tensor_model_parallel_size = False, 2
+    cfg = margs.config_from_args(b)
+    assert (cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.dtype_bytes) == (16, 16, 128, 2)
+    # attention2d picks a variant; with --cp-grid auto picks among the attention2d variants too.
+    assert margs.resolve_algo(_args("--context-parallel-algo", "attention2d")) in ("attention2d-no", "attention2d-o")
+    cfg = margs.config_from_args(_args("--context-parallel-algo", "auto", "--cp-grid", "8x1"))
+    assert cfg.algo.startswith("attention2d") and set(cfg.predicted) == {"attention2d-no", "attention2d-o"}
+    # A length that zigzag cannot shard: auto still finds a cyclic algorithm.
+    assert margs.resolve_algo(_args("--context-parallel-algo", "auto", seq_length=8 * 3)).startswith("attention2d")
+    # A concrete algo is untouched and logs nothing.
+    capsys.readouterr()
+    assert margs.resolve_algo(_args("--context-parallel-algo", "burst")) == "burst" and not capsys.readouterr().out
+
+
+def test_auto_bad_input():
+    from megatron_cp_plugin.megatron.args import CPConfig
+
+    with pytest.raises(ValueError, match="model shape"):
+        CPConfig(algo="auto", cp_size=4)
+    assert CPConfig(algo="attention2d", cp_size=4).algo == "attention2d-no"       # no shape: as before
+    with pytest.raises(ValueError, match="--cp-hardware"):
+        CPConfig(algo="auto", cp_size=4, seq_length=64, heads=4, hardware="tpu")
+    with pytest.raises(ValueError, match="--seq-length"):
+        CPConfig(algo="auto", cp_size=4, seq_length=66, heads=4)
+    with pytest.raises(ValueError, match="--cp-grid"):
+        CPConfig(algo="auto", cp_size=4, seq_length=64, heads=4, grid=(3, 1))
+    with pytest.raises(ValueError, match="--context-parallel-algo"):
+        CPConfig(algo="fastest", cp_size=4)
+    with pytest.raises(SystemExit):
+        _args("--cp-hardware", "tpu")
+
+
+def test_bad_input_raises():
+    hw = HARDWARE["h200-nvlink"]
+    bad_problems = [dict(seq_len=100, world=3, heads=4), dict(seq_len=64, world=4, heads=6, kv_heads=4),
+                    dict(seq_len=64, world=4, heads=4, dtype_bytes=3), dict(seq_len=64, world=4, heads=4, grid=(2, 3)),
+                    dict(seq_len=64, world=0, heads=4), dict(seq_len=64, world=4, heads=4, batch=1.5)]
+    for kw in bad_problems:
+        with pytest.raises(ValueError, match="Problem"):
+            Problem(**kw)
+    for kw in (dict(intra_bw=-1), dict(inter_lat=float("nan")), dict(gpus_per_node=0), dict(nics_per_node=0)):
+        with pytest.raises(ValueError, match="Hardware"):
+            dataclasses.replace(hw, **kw)
+    with pytest.raises(ValueError, match="DecodeProblem"):
+        DecodeProblem(1024, 2, 6, 4)
+    pb = Problem(64, 4, 4)
+    with pytest.raises(ValueError, match="algo"):
+        cm.predict("ulysses", pb, hw)
+    with pytest.raises(ValueError, match="sharded"):
+        cm.predict("ring", Problem(12, 4, 4), hw)
+    with pytest.raises(ValueError, match="candidates"):
+        choose_algo(pb, hw, ())
+    with pytest.raises(ValueError, match="candidates"):
+        choose_algo(pb, hw, ("ring", "ulysses"))
+    with pytest.raises(ValueError, match="method"):
+        cm.decode_bytes("tree", DecodeProblem(64, 2, 4))
+    with pytest.raises(ValueError, match="rank"):
+        cm.comm_bytes("ring", pb, rank=4)
+    assert isinstance(hw, Hardware)
