@@ -1,0 +1,91 @@
+"""A whole GPT (or one transformer layer) per algorithm: step time, tokens/s, TFLOP/s per GPU and MFU.
+
+    megatron-cp-bench model --nproc 2 --config configs/gpt3-760m.toml --seq-length 65536 --train-iters 8
+    megatron-cp-bench layer --nproc 2 --hidden-size 4096 --num-attention-heads 32 --seq-length 131072
+
+Runs `megatron-cp-pretrain` (mock data) once per algorithm under torchrun with --nproc processes, plus CP = 1
+on one process unless --no-cp1, each writing its --result-json; every flag this command does not know is
+passed to pretraining (model size, --config files, --bf16, --use-distributed-optimizer, ...). `layer` is
+`model --num-layers 1`. MFU divides the model TFLOP/s per GPU (pretraining's formula, printed) by the bf16
+matmul peak measured in the same run (an 8192^3 matmul on GPU 0). The CP = 1 run also gives each algorithm's
+largest loss difference from it over the same iterations.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+import megatron_cp_plugin as mcp
+from megatron_cp_plugin.bench._common import time_ms, write_report
+
+
+def matmul_peak_tflops() -> float:
+    """Median bf16 TFLOP/s of an 8192^3 matmul on the current GPU (0 on CPU)."""
+    if not torch.cuda.is_available():
+        return 0.0
+    a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    ms = time_ms(lambda: a @ b, warmup=5, iters=20)
+    return 2 * 8192 ** 3 / ms / 1e9
+
+
+def _run(nproc: int, flags: list[str], out_json: str) -> dict:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "megatron_cp_plugin.pretrain", *flags, "--mock-data", "--result-json", out_json]
+    print("+", " ".join(cmd), flush=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode or not os.path.exists(out_json):
+        tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
+        print("\n".join(tail), flush=True)
+        return {"status": "failed", "error": tail[-1] if tail else "no output"}
+    with open(out_json) as f:
+        return json.load(f)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc", type=int, default=max(1, torch.cuda.device_count()), help="CP size (GPUs)")
+    p.add_argument("--algos", nargs="+", default=list(mcp.ALGORITHMS))
+    p.add_argument("--no-cp1", action="store_true", help="skip the CP = 1 baseline (when it does not fit)")
+    p.add_argument("--out", default="results/model")
+    a, flags = p.parse_known_args(argv)
+    if "--train-iters" not in flags:
+        flags += ["--train-iters", "8"]
+    peak = matmul_peak_tflops()
+    runs = {}
+    if not a.no_cp1:
+        runs["CP=1"] = _run(1, flags + ["--context-parallel-size", "1"], a.out + "_cp1.json")
+    for algo in a.algos:
+        runs[algo] = _run(a.nproc, flags + ["--context-parallel-algo", algo, "--context-parallel-size",
+                                            str(a.nproc)], f"{a.out}_{algo}.json")
+    ref = runs.get("CP=1", {}).get("losses")
+    rows = []
+    for name, r in runs.items():
+        if r.get("status") != "ok":
+            rows.append({"run": f"{name} (failed: {str(r.get('error'))[:120]})"})
+            continue
+        losses = r.get("losses") or []
+        diff = max((abs(x - y) for x, y in zip(losses, ref)), default=float("nan")) if ref and name != "CP=1" else 0.0
+        tf = r.get("tflops_per_gpu") or float("nan")
+        rows.append({"run": name, "P": r.get("world_size", 1), "seq": r.get("seq_length"),
+                     "step_ms": 1e3 * (r.get("step_time_median_s") or float("nan")),
+                     "tokens_per_s": r.get("tokens_per_s"), "TFLOPs_per_GPU": tf,
+                     "MFU": tf / peak if peak else float("nan"), "peak_mem_GB": r.get("peak_mem_gb"),
+                     "max_loss_diff_vs_cp1": diff, "final_loss": losses[-1] if losses else float("nan")})
+    from megatron_cp_plugin.pretrain import _flops_per_iter
+    formula = " ".join(_flops_per_iter.__doc__.split())
+    header = (f"model: {' '.join(flags)}; {a.nproc} x "
+              f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}; step time = median over "
+              f"the timed iterations; model FLOPs per iteration: {formula}; matmul peak {peak:.0f} TFLOP/s (bf16 "
+              f"8192^3, measured here).")
+    print(write_report(rows, a.out, header), flush=True)
+    bad = [n for n, r in runs.items() if r.get("status") != "ok"]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
