@@ -3,6 +3,10 @@
     torchrun --nproc-per-node 4 -m megatron_cp_plugin.pretrain --context-parallel-size 4 \\
         --context-parallel-algo attention2d --mock-data --train-iters 20
     megatron-cp-pretrain --nproc 4 ...        # same, spawning the processes itself (no torchrun)
+    megatron-cp-pretrain --config configs/gpt3-2.7b.toml configs/algo/ring.toml --seq-length 65536 ...
+
+--config reads TOML files whose keys are these flags' names (`num-layers = 24`, `bf16 = true`); later files
+override earlier ones and the command line overrides them all. --result-json writes one JSON per run.
 
 Megatron's flag names. On GPUs: bf16 with --bf16, Megatron DDP over the data-parallel-with-CP group and the
 Megatron optimizer (ZeRO with --use-distributed-optimizer). Without a GPU: gloo, fp32, torch AdamW, and the
@@ -52,6 +56,14 @@ def build_parser(description: str = __doc__) -> argparse.ArgumentParser:
     a("--tensor-model-parallel-size", type=int, default=1)
     a("--bf16", action="store_true")
     a("--use-distributed-optimizer", action="store_true")
+    # Megatron-LM's recompute flags, with its meanings: --recompute-activations is the selective kind (core
+    # attention only); layer-wise ("full") checkpointing, what Attention2D's 13B runs needed, is
+    # --recompute-granularity full --recompute-method uniform --recompute-num-layers 1.
+    a("--recompute-activations", action="store_true", help="selective recompute (= --recompute-granularity "
+      "selective), as in Megatron-LM")
+    a("--recompute-granularity", choices=("full", "selective"), default=None)
+    a("--recompute-method", choices=("uniform", "block"), default=None, help="for full recompute (default uniform)")
+    a("--recompute-num-layers", type=int, default=None, help="for full recompute (default 1)")
     a("--attention-dropout", type=float, default=0.0)
     a("--hidden-dropout", type=float, default=0.0)
     a("--save", default=None)
@@ -76,7 +88,87 @@ def build_parser(description: str = __doc__) -> argparse.ArgumentParser:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    return build_parser().parse_args(argv)
+    """megatron-cp-pretrain's flags: build_parser's, --config and --result-json."""
+    p = build_parser()
+    p.add_argument("--config", nargs="+", default=None, metavar="FILE",
+                   help="TOML files of flag defaults (keys = flag names without --); later files override earlier "
+                        "ones, flags on the command line override the files")
+    p.add_argument("--result-json", default=None, metavar="PATH",
+                   help="rank 0 writes the run's settings, per-iteration losses and step times, median step time, "
+                        "tokens/s and exit status here (also when the run fails)")
+    return parse_with_configs(p, argv)
+
+
+def load_config_files(parser: argparse.ArgumentParser, files) -> dict:
+    """Merge TOML config files (later ones win) into {dest: value}, checked against the parser's flags.
+
+    Keys are flag names without the dashes (`num-layers = 24`, `bf16 = true`); values are converted with the
+    flag's type and checked against its choices, so a bad file fails here, naming the key and the file."""
+    try:
+        import tomllib
+    except ImportError:                                # Python 3.10: the same parser as a package
+        try:
+            import tomli as tomllib
+        except ImportError:
+            parser.error("--config needs Python >= 3.11 (tomllib) or the tomli package")
+
+    flags = {opt[2:]: act for act in parser._actions for opt in act.option_strings if opt.startswith("--")}
+    merged = {}
+    for path in files:
+        try:
+            with open(path, "rb") as f:
+                table = tomllib.load(f)
+        except OSError as e:
+            parser.error(f"--config {path}: {e.strerror}")
+        except tomllib.TOMLDecodeError as e:
+            parser.error(f"--config {path}: not valid TOML: {e}")
+        for key, value in table.items():
+            if isinstance(value, dict):
+                parser.error(f"--config {path}: [{key}]: tables are not supported, keys are flat flag names")
+            act = flags.get(key)
+            if act is None or key in ("config", "help", "nproc", "compare-cp1"):
+                hint = f" (flag names use dashes: {key.replace('_', '-')!r})" if "_" in key else ""
+                parser.error(f"--config {path}: unknown key {key!r}: not a megatron-cp-pretrain flag that a config "
+                             f"file can set{hint}")
+            merged[act.dest] = _config_value(parser, path, key, act, value)
+    return merged
+
+
+def _config_value(parser, path, key, act, value):
+    """One config value as the flag would have parsed it from the command line."""
+    where = f"--config {path}: {key} = {value!r}"
+    if act.nargs == 0:                                       # store_true / store_false flags
+        if not isinstance(value, bool):
+            parser.error(f"{where}: must be true or false")
+        return value
+    if isinstance(value, bool):
+        parser.error(f"{where}: this flag takes a value, not true/false")
+    if act.nargs in ("+", "*"):
+        items = value if isinstance(value, list) else [value]
+    elif isinstance(value, list):
+        parser.error(f"{where}: this flag takes one value, not a list")
+    else:
+        items = [value]
+    out = []
+    for item in items:
+        try:
+            item = act.type(str(item)) if act.type is not None else str(item)
+        except (TypeError, ValueError):
+            parser.error(f"{where}: not a valid {getattr(act.type, '__name__', 'value')}")
+        if act.choices is not None and item not in act.choices:
+            parser.error(f"{where}: must be one of {', '.join(map(str, act.choices))}")
+        out.append(item)
+    return out if act.nargs in ("+", "*") else out[0]
+
+
+def parse_with_configs(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    """Parse argv where --config files supply the defaults: file < later file < command line."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", nargs="+", default=None)
+    known, _ = pre.parse_known_args(argv)
+    if known.config:
+        parser.set_defaults(**load_config_files(parser, known.config))
+    return parser.parse_args(argv)
 
 
 def transformer_config(args, gpu: bool):
@@ -90,7 +182,20 @@ def transformer_config(args, gpu: bool):
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         context_parallel_size=args.context_parallel_size, normalization="RMSNorm", bf16=args.bf16,
         params_dtype=torch.bfloat16 if args.bf16 else torch.float32, use_cpu_initialization=not gpu,
-        calculate_per_token_loss=True)
+        calculate_per_token_loss=True, **_recompute_kwargs(args))
+
+
+def _recompute_kwargs(args) -> dict:
+    """TransformerConfig's recompute fields from Megatron-LM's flags (same defaults and precedence)."""
+    granularity = getattr(args, "recompute_granularity", None)
+    if getattr(args, "recompute_activations", False):
+        granularity = "selective"                     # Megatron-LM: --recompute-activations wins
+    if granularity is None:
+        return {}
+    if granularity == "selective":
+        return {"recompute_granularity": "selective"}
+    return {"recompute_granularity": "full", "recompute_method": getattr(args, "recompute_method", None) or "uniform",
+            "recompute_num_layers": getattr(args, "recompute_num_layers", None) or 1}
 
 
 def _validate(args, world: int):
@@ -291,6 +396,9 @@ def train(args) -> list[float]:
     world, rank = dist.get_world_size(), dist.get_rank()
     cp_cfg = _validate(args, world)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cpu" and _recompute_kwargs(args):
+        from .megatron.cpu_shim import apply_cpu_recompute_shim
+        apply_cpu_recompute_shim()
     ps.initialize_model_parallel(tensor_model_parallel_size=args.tensor_model_parallel_size,
                                  context_parallel_size=args.context_parallel_size)
     trainer = Trainer(args, cp_cfg, device)
@@ -302,11 +410,19 @@ def train(args) -> list[float]:
               f"{trainer.n_params / 1e6:.2f}M parameters, {'bf16 GPU' if args.bf16 else device.type + ' fp32'}; "
               f"TFLOP/s counts {_flops_per_iter.__doc__.strip()}", flush=True)
     losses, flops, saved = [], _flops_per_iter(args, trainer.n_params), False
+    result = _result_start(args, world, cp_cfg, device, trainer.n_params, trainer.tokenizer.vocab_size, flops)
     t0 = time.perf_counter()
     while trainer.iteration < args.train_iters:
+        t_step = time.perf_counter()
         loss = trainer.train_step()
         losses.append(loss)
         it = trainer.iteration
+        if result is not None:
+            if device.type == "cuda":                  # the step's last kernels belong to its time
+                torch.cuda.synchronize()
+            result["iterations"].append(it)
+            result["losses"].append(loss)
+            result["step_times_s"].append(time.perf_counter() - t_step)
         if it % args.log_interval == 0:
             if device.type == "cuda":
                 torch.cuda.synchronize()
@@ -333,7 +449,75 @@ def train(args) -> list[float]:
     if args.save and not saved:
         trainer.save()
     ps.destroy_model_parallel()
+    if result is not None:
+        result["peak_mem_gb"] = _memory_gb(device)
+        _write_result(args, "ok")
     return losses
+
+
+# ------------------------------------------------------------------------------------------------ --result-json
+_RESULT: dict | None = None   # this process's run record, filled while training, written by rank 0
+
+
+def _result_start(args, world: int, cp_cfg, device, n_params: int, vocab: int, flops: float) -> dict | None:
+    """The run's settings, recorded before the first step (so a failing run still reports them)."""
+    global _RESULT
+    if not getattr(args, "result_json", None):
+        return None
+    import platform
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))   # torchrun's ranks per node; spawn: all local
+    env = os.environ
+    _RESULT = {
+        "algo": cp_cfg.algo, "cp_size": args.context_parallel_size, "tp_size": args.tensor_model_parallel_size,
+        "dp_size": args.data_parallel_size, "world_size": world, "nodes": max(1, world // max(1, local)),
+        "ranks_per_node": local, "gpus": world if device.type == "cuda" else 0, "device": device.type,
+        "gpu_name": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "cp_grid": args.cp_grid, "cp_gpus_per_node": args.cp_gpus_per_node,
+        "seq_length": args.seq_length, "micro_batch_size": args.micro_batch_size,
+        "global_batch_size": args.global_batch_size, "num_layers": args.num_layers,
+        "hidden_size": args.hidden_size, "num_attention_heads": args.num_attention_heads,
+        "num_query_groups": args.num_query_groups or args.num_attention_heads,
+        "head_dim": args.hidden_size // args.num_attention_heads,
+        "ffn_hidden_size": args.ffn_hidden_size or 4 * args.hidden_size, "vocab_size": vocab,
+        "n_params": n_params, "bf16": args.bf16, "use_distributed_optimizer": args.use_distributed_optimizer,
+        "recompute": _recompute_kwargs(args) or None, "train_iters": args.train_iters,
+        "flops_per_iter": flops, "configs": args.config or [], "argv": sys.argv[1:],
+        "hostname": platform.node(), "slurm_job_id": env.get("SLURM_JOB_ID"),
+        "slurm_nodelist": env.get("SLURM_JOB_NODELIST"), "torch": torch.__version__,
+        "iterations": [], "losses": [], "step_times_s": [],
+    }
+    return _RESULT
+
+
+def _write_result(args, status: str, error: str | None = None) -> None:
+    """Rank 0 writes the run record with its timing summary and exit status (ok | failed)."""
+    import json
+    import statistics
+
+    path = getattr(args, "result_json", None)
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+    if not path or rank != 0:
+        return
+    r = dict(_RESULT) if _RESULT is not None else {        # failed before training: the flags are all we know
+        "algo": args.context_parallel_algo, "cp_size": args.context_parallel_size,
+        "seq_length": args.seq_length, "configs": args.config or [], "argv": sys.argv[1:],
+        "world_size": int(os.environ.get("WORLD_SIZE", args.nproc or 1)), "losses": []}
+    times = r.get("step_times_s", [])
+    timed = times[1:] if len(times) > 1 else times   # the first step pays for warm-up (allocations, NCCL set-up)
+    median = statistics.median(timed) if timed else None
+    tokens = (r.get("global_batch_size") or 0) * (r.get("seq_length") or 0)
+    r.update(status=status, exit_code=0 if status == "ok" else 1, error=error,
+             step_time_median_s=median, step_time_timed_iterations=len(timed),
+             tokens_per_s=tokens / median if median else None,
+             tflops_per_gpu=(r["flops_per_iter"] / median / r["world_size"] / 1e12
+                             if median and r.get("flops_per_iter") else None),
+             final_loss=r["losses"][-1] if r.get("losses") else None)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(r, f, indent=1)
+    os.replace(tmp, path)                             # readers never see half a file
 
 
 def _run(rank: int, world: int, args, port: int | None, target=None) -> None:
@@ -353,9 +537,13 @@ def _run(rank: int, world: int, args, port: int | None, target=None) -> None:
                                 timeout=datetime.timedelta(seconds=args.dist_timeout))
         (target or train)(args)
         dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - report, then leave without waiting for peers
+    except BaseException as e:  # noqa: BLE001 - report, then leave without waiting for peers
         print(f"[rank {os.environ.get('RANK', rank)}] failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         sys.stderr.flush()
+        try:
+            _write_result(args, "failed", f"{type(e).__name__}: {e}")
+        except Exception:  # noqa: BLE001 - the exit status matters more than the record
+            pass
         os._exit(1)
 
 
@@ -367,7 +555,8 @@ def _compare_cp1(argv: list[str], args) -> None:
 
     tmp = tempfile.mkdtemp(prefix="megatron-cp-compare-")
     base = [x for x in argv if x != "--compare-cp1"]
-    runs = {"CP=1": base + ["--nproc", "1", "--context-parallel-size", "1", "--log-json", f"{tmp}/cp1.jsonl"],
+    runs = {"CP=1": base + ["--nproc", "1", "--context-parallel-size", "1", "--log-json", f"{tmp}/cp1.jsonl"]
+            + (["--result-json", f"{tmp}/cp1.json"] if args.result_json else []),   # keep the user's for this run
             "this run": base + ["--log-json", f"{tmp}/cp.jsonl"]}
     for name, flags in runs.items():
         print(f"== {name}: megatron-cp-pretrain {' '.join(flags)}", flush=True)

@@ -24,3 +24,13 @@ def apply_cpu_shims() -> bool:
         torch.cuda.current_device = lambda: torch.device("cpu")
         _applied = True
     return True
+
+
+def apply_cpu_recompute_shim() -> None:
+    """Megatron's activation checkpointing saves and restores the CUDA RNG state around the recomputation; a
+    CPU torch build raises on that, and with no GPU there is no CUDA state to keep (the CPU state is still
+    saved and restored). Applied by pretraining only for recompute without a GPU."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom._get_cuda_rng_state = lambda *a, **k: None
+    mrandom._set_cuda_rng_state = lambda *a, **k: None

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# One training run on this machine, no SLURM: torchrun --standalone with NPROC_PER_NODE ranks (default: the
+# GPUs here, else 4 CPU processes over gloo), every rank in context parallelism. The same environment as
+# launch/run.sh (CONFIG ALGO SEQ EXTRA_ARGS RESULT_DIR RUN_NAME VENV PYTHON; see launch/common.sh), e.g.
+#   CONFIG="configs/tiny.toml" ALGO=ring NPROC_PER_NODE=4 bash launch/local.sh
+set -euo pipefail
+# shellcheck disable=SC2034  # read by common.sh
+NNODES=1
+if [[ -z ${NPROC_PER_NODE:-} ]]; then
+  NPROC_PER_NODE=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+  [[ ${NPROC_PER_NODE:-0} -gt 0 ]] || NPROC_PER_NODE=4
+fi
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+cd "$REPO"
+echo "launch/local.sh: $NPROC_PER_NODE ranks, $ALGO, result $RESULT_JSON"
+exec "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC_PER_NODE" \
+  -m megatron_cp_plugin.pretrain "${PRETRAIN_ARGS[@]}"
