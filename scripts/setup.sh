@@ -12,4 +12,9 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
     "$PY" -m pip install -q torch==2.13.0
   fi
 fi
+# Triton (DeFT, flash-decode kernels): GPU images get it with their torch; elsewhere the kernels run in Triton's
+# CPU interpreter (TRITON_INTERPRET=1) for the tests, so install it where it is missing.
+if ! "$PY" -c "import triton" 2>/dev/null; then
+  "$PY" -m pip install -q triton==3.6.0
+fi
 "$PY" -m pip install -q -e ".[test]"

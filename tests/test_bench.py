@@ -33,7 +33,9 @@ def test_attention_side_by_side_on_gloo(tmp_path):
         assert row["fwd_bwd_ms"] > 0 and row["MB_sent_fwd_bwd"] > 0
     # GQA on CPU: PyTorch's native CP cannot run and says why instead of printing a number.
     assert any(a.startswith("torch-cp-") and "not run" in a for a in algos)
-    assert "attention" in res["command"] and res["device"] == "CPU"
+    import torch
+    assert "attention" in res["command"]
+    assert res["device"] == (torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU")
     assert (tmp_path / "attention.md").read_text().count("\n| ") >= 5
     pytest.importorskip("matplotlib")
     (tmp_path / "attention.png").unlink(missing_ok=True)
