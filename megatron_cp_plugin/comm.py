@@ -88,10 +88,11 @@ def kv_moves(p: int, rows: int, cols: int, row_major: bool) -> bool:
 
 def attention2d_bytes(*, seq_len: int, world: int, rows: int, cols: int, b: int, h: int, h_kv: int, d: int,
                       elem: int = 2, overlap: bool = False, row_major: bool = False,
-                      rank: int | None = None) -> tuple[int, int]:
+                      rank: int | None = None, acc: int = 4) -> tuple[int, int]:
     """(forward, backward) bytes one rank sends in Attention2D on a rows x cols grid: the paper's Section 3.3
     per-rank costs with our choices made explicit. s = seq_len / world tokens per rank, n_q = b s h d,
-    n_kv = b s h_kv d, n_r = b h s (one fp32 per query row), e = `elem`; ring collectives (an all-gather or
+    n_kv = b s h_kv d, n_r = b h s (one accumulator per query row), e = `elem`, the accumulators (written 4
+    below: fp32) `acc` bytes (8 for fp64 inputs, as kernels.local_attn.acc_dtype); ring collectives (an all-gather or
     reduce-scatter over g ranks sends g - 1 chunks, an all-reduce 2 (g - 1) / g of its buffer):
       permutation (Alg. 1 line 2, Alg. 3 line 9): 2 n_kv e each way for a rank whose K, V move (`rank`;
                  None: a rank that moves, if any does), 0 for the others
@@ -105,10 +106,10 @@ def attention2d_bytes(*, seq_len: int, world: int, rows: int, cols: int, b: int,
     ranks = range(world) if rank is None else [rank]
     moves = any(kv_moves(p, rows, cols, row_major) for p in ranks)
     perm = 2 * n_kv * elem if moves else 0
-    fwd = perm + (cols - 1) * (n_q * elem + (n_q + n_r) * 4) + (rows - 1) * 2 * n_kv * elem
+    fwd = perm + (cols - 1) * (n_q * elem + (n_q + n_r) * acc) + (rows - 1) * 2 * n_kv * elem
     if not overlap:
-        fwd += 2 * (cols - 1) * n_r * 4
-    bwd = perm + (cols - 1) * (2 * n_q * elem + 2 * n_r * 4 + n_q * 4) + (rows - 1) * 2 * n_kv * (elem + 4)
+        fwd += 2 * (cols - 1) * n_r * acc
+    bwd = perm + (cols - 1) * (2 * n_q * elem + 2 * n_r * acc + n_q * acc) + (rows - 1) * 2 * n_kv * (elem + acc)
     return fwd, bwd
 
 

@@ -34,7 +34,7 @@ import sys
 from dataclasses import dataclass
 
 from .algos import ALGORITHMS
-from .comm import choose_grid, grid_rank, kv_moves
+from .comm import attention2d_bytes, choose_grid, grid_rank, kv_moves
 
 DECODE_METHODS = ("tree-allreduce3", "tree-allreduce2", "tree-allgather", "ring-decode")
 
@@ -390,13 +390,6 @@ def _row_major(pb: Problem, gpus_per_node: int | None) -> bool:
     return bool(pb.node_aware and gpus_per_node is not None and gpus_per_node % C == 0)
 
 
-def _perm_bytes(pb: Problem, R, C, row_major, rank):
-    """Alg. 1 line 2 (and Alg. 3 line 9): 2 n_kv e for a rank whose K, V move (rank None: the largest)."""
-    _, _, n_kv, _, e, _ = _sizes(pb)
-    ranks = range(pb.world) if rank is None else [rank]
-    return 2 * n_kv * e if any(kv_moves(p, R, C, row_major) for p in ranks) else 0
-
-
 def _attention2d(algo: str, pb: Problem, hw: Hardware, rank: int | None = None) -> Prediction:
     P = pb.world
     R, C = pb.attention2d_grid()
@@ -404,7 +397,6 @@ def _attention2d(algo: str, pb: Problem, hw: Hardware, rank: int | None = None) 
     _, n_q, n_kv, n_r, e, acc = _sizes(pb)
     F, B = attention_flops(pb)
     rows, cols = _grid_groups(P, R, C, row_major)
-    perm = _perm_bytes(pb, R, C, row_major, rank)
     moving = [(p, grid_rank(p // C, p % C, R, C, row_major)) for p in range(P) if kv_moves(p, R, C, row_major)]
     perm_t = _pairs_link(moving, hw).t(2 * n_kv * e) if moving else 0.0
     c1, c1b = F / (R * C) / hw.fwd_tflops, B / (R * C) / hw.bwd_tflops     # one (Q chunk, KV chunk) block
@@ -428,7 +420,6 @@ def _attention2d(algo: str, pb: Problem, hw: Hardware, rank: int | None = None) 
         amax = 2 * (C - 1) * n_r * acc            # the row all-reduce max of lse
         fwd = (perm_t + tr(q_g) + tc(kv_g) + F / hw.fwd_tflops + C * (R - 1) * mg
                + (row_ar.t(amax) + tr(fix) + C * n_q * ATTNFIX_BYTES / hw.mem_bw if C > 1 else 0.0))
-        fwd_bytes = perm + q_g + kv_g + fix + amax
         bwd = (tr(qdo_g, 2) + tr(stat_g) + tc(kv_g) + B / hw.bwd_tflops + R * C * (add_q + add_kv)
                + tr(dq_rs) + tc(dkv_rs) + perm_t)
     else:
@@ -448,7 +439,6 @@ def _attention2d(algo: str, pb: Problem, hw: Hardware, rank: int | None = None) 
         steps = [max(R * c1 + (R - 1) * mg + (mg if t >= 2 else 0.0),
                      tr((n_q * e if t + 1 < C else 0) + (m_fix if t >= 2 else 0))) for t in range(1, C)]
         fwd = perm_t + t0 + sum(steps) + (tr(m_fix) + mg if C > 1 else 0.0)
-        fwd_bytes = perm + q_g + kv_g + fix
         # Backward (Alg. 8-11): the same with (Q, dO, D, lse) round the row, dQ one step behind it, and in the
         # last pass every K, V chunk's dK, dV accumulator passed down the column.
         blk = 2 * n_q * e + 2 * n_r * acc
@@ -463,7 +453,11 @@ def _attention2d(algo: str, pb: Problem, hw: Hardware, rank: int | None = None) 
                 s_t = max(s_t, chain(per, 2 * n_kv * acc, 0.0))
             steps.append(s_t)
         bwd = t0 + sum(steps) + tr(n_q * acc) + tc(2 * n_kv * acc) + perm_t
-    bwd_bytes = perm + qdo_g + stat_g + kv_g + dq_rs + dkv_rs
+    # The byte totals are comm.attention2d_bytes' (the one formula the counters are tested against); the
+    # per-phase terms above only time them.
+    fwd_bytes, bwd_bytes = attention2d_bytes(seq_len=pb.seq_len, world=P, rows=R, cols=C, b=pb.batch, h=pb.heads,
+                                             h_kv=pb.kv_heads, d=pb.head_dim, elem=e, acc=acc,
+                                             overlap=algo == "attention2d-o", row_major=row_major, rank=rank)
     return Prediction(algo, fwd, bwd, fwd_bytes, bwd_bytes, F, B, (R, C), row_major)
 
 

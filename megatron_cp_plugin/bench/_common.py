@@ -40,12 +40,15 @@ def gather_max(x: float) -> float:
     return max(out)
 
 
-def time_ms(fn, *, warmup: int = 3, iters: int = 10) -> float:
-    """Median wall time of fn() in ms: CUDA events around each call after `warmup` calls (perf_counter on CPU)."""
+def time_ms(fn, *, warmup: int = 3, iters: int = 10, before=None) -> float:
+    """Median wall time of fn() in ms: CUDA events around each call after `warmup` calls (perf_counter on CPU).
+    before(), untimed, runs ahead of each timed call (e.g. a barrier so that every rank starts together)."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(iters):
+        if before is not None:
+            before()
         if torch.cuda.is_available():
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()

@@ -15,7 +15,6 @@ Byte formula in the header.
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 import torch.distributed as dist
@@ -23,25 +22,16 @@ import torch.distributed as dist
 import megatron_cp_plugin as mcp
 from megatron_cp_plugin.algos.ring_decode import ring_decode
 from megatron_cp_plugin.algos.tree_decode import VARIANTS
-from megatron_cp_plugin.bench._common import gather_max, init_distributed, write_report
+from megatron_cp_plugin.bench._common import gather_max, init_distributed, time_ms, write_report
 from megatron_cp_plugin.kernels.local_attn import decode_fwd
 
 
 def step_ms(step, *, iters: int, warmup: int = 3) -> float:
     """Median ms of step() (one decode step), every rank starting together; slowest rank."""
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(iters):
+    def together():
         dist.barrier()
         torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return gather_max(statistics.median(times))
+    return gather_max(time_ms(step, warmup=warmup, iters=iters, before=together))
 
 
 def graphed(step):

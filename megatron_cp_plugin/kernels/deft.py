@@ -24,7 +24,6 @@ Groupings (`strategy`), the same kernels (Table 2 / Fig. 3):
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -35,17 +34,18 @@ try:
 except ImportError:   # no triton: available() is False; tests skip loudly, callers use deft_reference
     triton = tl = None
 
+# One owner of the Triton-availability check and of the tile online softmax (the flash-decoding kernel's).
+from .flash_decode import available  # noqa: E402,F401  (re-exported: deft.available)
+
+if triton is not None:
+    from .flash_decode import online_softmax_step, softmax_finish  # noqa: E402
+
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 STRATEGIES = ("flatten", "node", "node_chunk", "qguided")
 BLOCK_N = 64            # keys per inner iteration
 MAX_BLOCK_M = 128       # rows (queries x heads of a KV group) per tile
 TARGET_PROGRAMS = 264   # about two waves of 132 SMs (H100 / H200)
-
-
-def available(device: torch.device) -> bool:
-    """Whether the Triton kernels can run here (a CUDA device, or Triton's CPU interpreter)."""
-    return triton is not None and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
 
 
 @dataclass
@@ -362,17 +362,8 @@ if triton is not None:
             # no branch in the loop, so that it stays software-pipelined.
             bits = tl.load(MASKS + moff + cols, mask=col_ok & has_mask, other=-1)
             vis = (((bits[None, :] >> shift[:, None]) & 1) != 0) & col_ok[None, :] & row_ok[:, None]
-            s = tl.where(vis, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)        # rows with nothing visible yet
-            alpha = tl.exp2(m_i - m_ref)
-            p = tl.exp2(s - m_ref[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb, input_precision=PREC)
-            m_i = m_new
-        seen = l_i > 0
-        o = acc / tl.where(seen, l_i, 1.0)[:, None]
-        lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+            m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, tl.where(vis, s, float("-inf")), vb, PREC)
+        o, lse = softmax_finish(acc, m_i, l_i)
         base = kh.to(tl.int64) * TOTAL_ROWS + tl.load(ITEM_ROW + item) + rows      # valid rows come first
         tl.store(PO + base[:, None] * D + dims[None, :], o, mask=row_ok[:, None])
         tl.store(PL + base, lse, mask=row_ok)

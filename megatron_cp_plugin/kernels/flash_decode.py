@@ -22,6 +22,7 @@ K, V may be any strided view whose last dim is contiguous (a slice of a prealloc
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -38,8 +39,6 @@ TARGET_PROGRAMS = 264   # about two waves of 132 SMs: enough splits to read at f
 
 def available(device: torch.device) -> bool:
     """Whether the Triton kernel can run here (a CUDA device, or Triton's CPU interpreter)."""
-    import os
-
     return triton is not None and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
 
 
@@ -63,12 +62,32 @@ def flash_decode_reference(q, k, v, *, scale=None, kv_positions=None, q_position
 
 
 if triton is not None:
+    # The online softmax of one tile of rows, shared by this kernel and DeFT's (kernels/deft.py).
+    @triton.jit
+    def online_softmax_step(m_i, l_i, acc, s, vb, PREC: tl.constexpr):
+        """One key block: s [M, N] scores in the log2 domain (-inf = not visible), vb [N, D] values; returns
+        the updated running max m_i [M], denominator l_i [M] and unnormalised output acc [M, D] (fp32)."""
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)            # rows with nothing visible yet
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(s - m_ref[:, None])
+        return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb,
+                                                                                input_precision=PREC)
+
+    @triton.jit
+    def softmax_finish(acc, m_i, l_i):
+        """(o [M, D], lse [M] natural log) of the accumulated rows; a row that saw nothing: o = 0, lse = -inf."""
+        seen = l_i > 0
+        o = acc / tl.where(seen, l_i, 1.0)[:, None]
+        lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+        return o, lse
+
     @triton.jit
     def _partial_kernel(Q, K, V, KPOS, QPOS, O, L,
                         sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, spb, sqpb,
                         H_KV, S, SPLIT_LEN, NUM_SPLITS, scale_log2,
                         NQ: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        D: tl.constexpr, HAS_KPOS: tl.constexpr, HAS_QPOS: tl.constexpr):
+                        D: tl.constexpr, HAS_KPOS: tl.constexpr, HAS_QPOS: tl.constexpr, PREC: tl.constexpr):
         # Phase 1: program (b * h_kv + kv head, split) -> partial (o, lse) of its NQ * G rows over its keys.
         pid_bh, split = tl.program_id(0), tl.program_id(1)
         bi, kh = pid_bh // H_KV, pid_bh % H_KV
@@ -89,7 +108,7 @@ if triton is not None:
             col_ok = cols < S
             kb = tl.load(K + bi * skb + cols[:, None] * skt + kh * skh + dims[None, :], mask=col_ok[:, None], other=0.0)
             vb = tl.load(V + bi * svb + cols[:, None] * svt + kh * svh + dims[None, :], mask=col_ok[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(kb)) * scale_log2                      # log2 domain
+            s = tl.dot(q, tl.trans(kb), input_precision=PREC) * scale_log2   # log2 domain
             vis = col_ok[None, :] & row_ok[:, None]
             if HAS_KPOS:
                 kpos = tl.load(KPOS + bi * spb + cols, mask=col_ok, other=-1)
@@ -98,18 +117,8 @@ if triton is not None:
                     vis = vis & (kpos[None, :] <= qpos[:, None])
             elif HAS_QPOS:
                 vis = vis & (cols[None, :] <= qpos[:, None])
-            s = tl.where(vis, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)        # rows with nothing visible yet
-            alpha = tl.exp2(m_i - m_ref)
-            p = tl.exp2(s - m_ref[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb)
-            m_i = m_new
-        # Partial lse in natural log; a split that saw nothing keeps -inf and o = 0.
-        seen = l_i > 0
-        o = acc / tl.where(seen, l_i, 1.0)[:, None]
-        lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+            m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, tl.where(vis, s, float("-inf")), vb, PREC)
+        o, lse = softmax_finish(acc, m_i, l_i)          # a split that saw nothing: o = 0, lse = -inf
         base = (pid_bh * NUM_SPLITS + split) * BLOCK_M
         tl.store(O + (base + rows)[:, None] * D + dims[None, :], o, mask=row_ok[:, None])
         tl.store(L + base + rows, lse, mask=row_ok)
@@ -200,7 +209,8 @@ def flash_decode(q, k, v, *, scale: float | None = None, kv_positions=None, q_po
         v.stride(0), v.stride(1), v.stride(2), kpos.stride(0), qpos.stride(0),
         h_kv, s, split_len, splits, scale * 1.4426950408889634,
         NQ=n_q, G=g, BLOCK_M=block_m, BLOCK_N=BLOCK_N, D=d,
-        HAS_KPOS=kv_positions is not None, HAS_QPOS=q_positions is not None, num_warps=4)
+        HAS_KPOS=kv_positions is not None, HAS_QPOS=q_positions is not None,
+        PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)   # fp32 exact; tf32 is moot for bf16
     # Phase 2: partial i of row r of (batch, KV head) x is row (x * splits + i) * block_m + r.
     out, lse = _merge(part_o, part_l, b * h_kv, splits, n_q * g, block_m, splits * block_m)
     # Rows are (t, j) per KV head: back to [b, n_q, h, d] and [b, h, n_q] (head = kv head * g + j).

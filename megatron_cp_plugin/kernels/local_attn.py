@@ -30,6 +30,7 @@ import warnings
 
 import torch
 
+from . import flash_decode as fd
 from .merge import _finite, merge_
 
 MASKS = ("none", "causal", "causal_strict")
@@ -185,8 +186,6 @@ def decode_fwd(q, k, v, *, scale: float | None = None, kv_positions: torch.Tenso
     kernel without a mask otherwise, the math kernel for a mask on CPU. "triton" forces the Triton kernel
     (under TRITON_INTERPRET=1 it runs on CPU tensors too).
     """
-    from . import flash_decode as fd
-
     if backend is not None and backend not in DECODE_BACKENDS:
         raise ValueError(f"backend must be one of {DECODE_BACKENDS} or None, got {backend!r}")
     triton_ok = fd.available(q.device) and q.shape[-1] in fd.HEAD_DIMS and q.dtype != torch.float64
