@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from ..comm import CommStats, CPGrid, all_gather, all_reduce_max_, kv_moves, permute, reduce_scatter
-from ..kernels.local_attn import acc_dtype, attention_delta, block_bwd, block_fwd, out_or_delta
+from ..kernels.local_attn import acc_dtype, attention_delta, block_bwd, block_fwd, surrogate_out
 from ..kernels.merge import _finite, merge_
 from ._function import CPAttention
 
@@ -112,11 +112,11 @@ def _backward(grid: CPGrid, do, q, kv, o, lse, *, causal, scale, backend, stats=
     dq_part = torch.zeros(q_all.shape, dtype=acc, device=q.device)
     dkv_part = torch.zeros(kv_all.shape, dtype=acc, device=q.device)
     for c in range(C):
-        o_c, delta_c = out_or_delta(do_all[c], stat_all[c, 0], backend=backend)   # once for the R key chunks
+        o_c = surrogate_out(do_all[c], stat_all[c, 0])     # O is not gathered: built once for the R key chunks
         for r in range(R):
             mask = pair_mask(grid.row_ranks[c], grid.kv_owner(r, grid.j), causal)
             dq_b, dk_b, dv_b = block_bwd(do_all[c], q_all[c], kv_all[r, 0], kv_all[r, 1], o_c, stat_all[c, 1],
-                                         delta=delta_c, mask=mask, scale=scale, backend=backend)
+                                         mask=mask, scale=scale, backend=backend)
             dq_part[c].add_(dq_b)
             dkv_part[r, 0].add_(dk_b)
             dkv_part[r, 1].add_(dv_b)

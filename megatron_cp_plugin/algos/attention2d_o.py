@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from ..comm import CommStats, CPGrid, Ring
-from ..kernels.local_attn import acc_dtype, attention_delta, block_bwd, block_fwd, out_or_delta
+from ..kernels.local_attn import acc_dtype, attention_delta, block_bwd, block_fwd, surrogate_out
 from ..kernels.merge import merge_
 from ._function import CPAttention
 from .attention2d import kv_to_row_major, pair_mask
@@ -95,7 +95,7 @@ def _backward(grid: CPGrid, do, q, kv, o, lse, *, causal, scale, backend, stats=
         if t + 1 < C:
             nxt = q_ring.send_recv(blk)
         q_j, do_j, delta_j, lse_j = blk
-        o_j, delta_j = out_or_delta(do_j, delta_j, backend=backend)          # once for the R key chunks
+        o_j = surrogate_out(do_j, delta_j)           # O never travels: built once for the R key chunks
         q_res = grid.row_ranks[(j - t) % C]
         last = t == C - 1
         dq_t = torch.zeros(q.shape, dtype=acc, device=q.device)
@@ -106,7 +106,7 @@ def _backward(grid: CPGrid, do, q, kv, o, lse, *, causal, scale, backend, stats=
             r = (i - u) % R
             if t == 0 and u + 1 < R:
                 kv_next = kv_ring.send_recv((kv_all[r],))                       # Alg. 9 line 4
-            dq_b, dk_b, dv_b = block_bwd(do_j, q_j, kv_all[r][0], kv_all[r][1], o_j, lse_j, delta=delta_j,
+            dq_b, dk_b, dv_b = block_bwd(do_j, q_j, kv_all[r][0], kv_all[r][1], o_j, lse_j,
                                          mask=pair_mask(q_res, grid.kv_owner(r, j), causal), scale=scale,
                                          backend=backend)
             dq_t.add_(dq_b)

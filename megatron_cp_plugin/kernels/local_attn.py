@@ -9,6 +9,11 @@ reads the grouped heads directly). `lse` in block_bwd is the *global* lse of the
 global output (or `delta` = rowsum(dO * o) in its place), so the backward of any block can be recomputed
 after the forward's merge (FlashAttention-2's backward, applied per block).
 
+One backward contract for every backend: the kernel is handed O and derives D = rowsum(dO * O) from it
+itself (cuDNN and FA2 take no D). Where only D is known (a block of another rank's queries), the caller
+hands a surrogate O (`surrogate_out`) whose rowsum with dO is D; the math kernel takes the same path, so
+the CPU tests exercise the surrogate the GPUs depend on.
+
 Masks: "none"; "causal" (key j visible to query i iff j <= i, needs sq == sk); "causal_strict" (j < i,
 needs sq == sk; row 0 sees no key: o = 0, lse = -inf, and its gradients are 0); in block_fwd only, a bool
 tensor [b, sq, sk] (True = visible), run by the math kernel (decoding: ragged caches, speculative tokens).
@@ -136,33 +141,58 @@ def block_bwd(do, q, k, v, o, lse, *, mask: str = "none", scale: float | None = 
     """Gradients of one block from the global (o, lse) of its query rows.
 
     do, o [b, sq, h, d]; lse [b, h, sq] fp32 (global); delta [b, h, sq] fp32 = rowsum(do * o) may replace o
-    (o=None), as BurstAttention circulates D instead of O. Returns (dq, dk, dv): fp32/fp64 from math, the
-    input dtype from the fused kernels (which accumulate in fp32 inside).
+    (o=None), as BurstAttention circulates D instead of O: the kernel then gets surrogate_out(do, delta).
+    Every backend derives D from the O it is handed. Returns (dq, dk, dv): fp32/fp64 from math, the input
+    dtype from the fused kernels (which accumulate in fp32 inside).
     """
     _check(q, k, v, mask)
     if o is None and delta is None:
         raise ValueError("block_bwd needs o or delta")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     backend = select_backend(q.device, q.dtype, q.shape[-1], backend)
+    if o is None:
+        o = surrogate_out(do, delta)
     if mask == "causal_strict":
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         if q.shape[1] > 1:
-            o1 = None if o is None else o[:, 1:]
-            d1 = None if delta is None else delta[:, :, 1:]
             dq[:, 1:], dk[:, :-1], dv[:, :-1] = _BWD[backend](
-                do[:, 1:], q[:, 1:], k[:, :-1], v[:, :-1], o1, lse[:, :, 1:], d1, True, scale, chunk_size)
+                do[:, 1:], q[:, 1:], k[:, :-1], v[:, :-1], o[:, 1:], lse[:, :, 1:], True, scale, chunk_size)
         return dq, dk, dv
     if q.shape[1] == 0 or k.shape[1] == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    return _BWD[backend](do, q, k, v, o, lse, delta, mask == "causal", scale, chunk_size)
+    return _BWD[backend](do, q, k, v, o, lse, mask == "causal", scale, chunk_size)
 
 
-def out_or_delta(do: torch.Tensor, delta: torch.Tensor, *, backend: str | None = None):
-    """(o, delta) to pass block_bwd for query rows whose D is known but O is not, built once and reused over
-    all the key blocks of those rows: the fused kernels read O only to form D, so they get a surrogate O;
-    the math kernel takes D itself (exact in fp64)."""
-    chosen = select_backend(do.device, do.dtype, do.shape[-1], backend)
-    return (None, delta) if chosen == "math" else (_surrogate_out(do, delta), None)
+def surrogate_out(do: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """A tensor `out` in do's dtype with rowsum(do * out) == delta, for query rows whose D is known but O is
+    not: every backend's backward reads O only to form D = rowsum(dO * O) (fp32 sums of exact products).
+
+    do [b, s, h, d]; delta [b, h, s] fp32 (fp64 for fp64). Build it once per query block and reuse it over
+    that block's key blocks. Its entries never exceed the dtype's range (fp16: 65504) for any D that a real
+    O of this dtype gives (|D| <= max|O| * sum|dO|), and D comes out to fp32 (fp64) accuracy, not to the
+    dtype's: the largest |dO| entries are saturated at +-max while they cannot reach D alone, the next one
+    takes the rest, and the two after it the rounding residues of the ones before.
+    """
+    acc = acc_dtype(do.dtype)
+    big = torch.finfo(do.dtype).max
+    x = do.to(acc)
+    t = delta.transpose(1, 2).unsqueeze(-1).to(acc)                     # [b, s, h, 1]
+    mag, order = x.abs().sort(-1, descending=True)
+    xs = x.gather(-1, order)
+    reach = mag * big                                                   # inf for bf16 / fp32 rows: never full
+    full = torch.cumsum(reach, -1) < t.abs()                            # a prefix of the sorted row
+    vals = torch.where(full, torch.sign(t) * torch.sign(xs) * big, torch.zeros_like(xs))
+    rest = t - torch.sign(t) * torch.where(full, reach, torch.zeros_like(reach)).sum(-1, keepdim=True)
+    n, d = full.sum(-1, keepdim=True), x.shape[-1]
+    for i in range(3):
+        idx = (n + i).clamp(max=d - 1)
+        xi = xs.gather(-1, idx)
+        use = (n + i < d) & (xi != 0)
+        val = (rest / torch.where(use, xi, torch.ones_like(xi))).clamp(-big, big).to(do.dtype).to(acc)
+        val = torch.where(use, val, torch.zeros_like(val))
+        vals.scatter_(-1, idx, torch.where(use, val, vals.gather(-1, idx)))
+        rest = rest - xi * val
+    return torch.empty_like(do).scatter_(-1, order, vals.to(do.dtype))
 
 
 def attention_delta(do: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
@@ -255,12 +285,11 @@ def _math_fwd(q, k, v, causal, scale, chunk):
     return o.to(q.dtype), lse
 
 
-def _math_bwd(do, q, k, v, o, lse, delta, causal, scale, chunk):
+def _math_bwd(do, q, k, v, o, lse, causal, scale, chunk):
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     g, acc = h // hk, acc_dtype(q.dtype)
-    if delta is None:
-        delta = attention_delta(do, o)
+    delta = attention_delta(do, o)                  # from O, as the fused kernels do
     # Rows that saw no key anywhere have lse = -inf and all scores -inf: +inf makes exp(s - lse) = 0.
     lse_b = torch.where(torch.isinf(lse), torch.full_like(lse, float("inf")), lse).to(acc)
     dq = torch.zeros(b, sq, hk, g, d, dtype=acc, device=q.device)
@@ -289,29 +318,6 @@ def _bhsd(x):
     return x.transpose(1, 2)
 
 
-def _surrogate_out(do: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-    """A tensor `out` with rowsum(do * out) == delta to ~2^-16 relative, for kernels that take O only to form D.
-
-    The fused backward kernels read `out` for nothing but D = rowsum(dO * O) (fp32 products of 16-bit
-    inputs, exact). Two nonzero entries per row, at the two largest |dO|, carry delta's high and low parts.
-    """
-    x = do.float()
-    a = x.abs()
-    dl = delta.transpose(1, 2).unsqueeze(-1).float()                      # [b, s, h, 1]
-    out = torch.zeros_like(do)
-    rest = dl
-    for _ in range(2):
-        idx = a.argmax(-1, keepdim=True)
-        xi = x.gather(-1, idx)
-        val = torch.where(xi == 0, torch.zeros_like(rest), rest / torch.where(xi == 0, torch.ones_like(xi), xi))
-        big = torch.finfo(do.dtype).max          # fp16 overflows at 65504: clamp, the next entry carries the rest
-        val = torch.nan_to_num(val, posinf=0.0, neginf=0.0).clamp(-big, big).to(do.dtype)
-        out.scatter_(-1, idx, val)
-        rest = rest - xi * val.float()
-        a.scatter_(-1, idx, -1.0)
-    return out
-
-
 def _empty_philox(device):
     return torch.empty((), dtype=torch.int64, device=device)
 
@@ -322,9 +328,7 @@ def _cudnn_fwd(q, k, v, causal, scale, _chunk):
     return _bhsd(r[0]), r[1].reshape(q.shape[0], q.shape[2], q.shape[1])
 
 
-def _cudnn_bwd(do, q, k, v, o, lse, delta, causal, scale, _chunk):
-    if o is None:
-        o = _surrogate_out(do, delta)
+def _cudnn_bwd(do, q, k, v, o, lse, causal, scale, _chunk):
     # torch 2.11 caches the cuDNN backward plan by q, k, v shapes and strides only, so a later call with
     # other dO / O strides reads them with the first call's layout (wrong gradients, seen on H200): always
     # pass them in one layout, fixed by their shape.
@@ -342,9 +346,7 @@ def _flash_fwd(q, k, v, causal, scale, _chunk):
     return _bhsd(r[0]), r[1]
 
 
-def _flash_bwd(do, q, k, v, o, lse, delta, causal, scale, _chunk):
-    if o is None:
-        o = _surrogate_out(do, delta)
+def _flash_bwd(do, q, k, v, o, lse, causal, scale, _chunk):
     # Dropout is 0, so the rng state is never read; FA2 wants a 2-element uint64 tensor all the same.
     rng = torch.zeros(2, dtype=torch.uint64, device=q.device)
     unused = torch.empty((), dtype=torch.uint64, device=q.device)
@@ -374,9 +376,7 @@ def _fa_fwd(q, k, v, causal, scale, _chunk):
     return r[0], r[1]
 
 
-def _fa_bwd(do, q, k, v, o, lse, delta, causal, scale, _chunk):
-    if o is None:
-        o = _surrogate_out(do, delta)
+def _fa_bwd(do, q, k, v, o, lse, causal, scale, _chunk):
     fn = _flash_attn_module()._flash_attn_backward
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     kw = _fa_kwargs(fn, causal, scale)
