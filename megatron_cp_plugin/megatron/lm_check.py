@@ -50,6 +50,8 @@ class Run:
     """Flags added to the common ones."""
     env: dict = field(default_factory=dict)
     """Environment overrides (None removes a variable)."""
+    baseline: str = "cp1"
+    """The CP = 1 run this one is compared with (the same parallel layout and initialization otherwise)."""
     losses: dict = field(default_factory=dict)
     """iteration -> lm loss, parsed from the log."""
     rc: int | None = None
@@ -87,17 +89,22 @@ def plan_runs(ns, n_gpus: int) -> tuple[list[Run], list[str]]:
         for a in ns.algos:
             runs.append(Run(f"{a} CP={p}", p, ["--context-parallel-size", str(p), "--context-parallel-algo", a]))
     if ns.pp_run:
+        # pipeline stages initialise their layers from per-stage seeds: the baseline is CP = 1 with PP = 2
+        pp = ["--pipeline-model-parallel-size", "2"]
         if n_gpus >= 4:
-            runs.append(Run(f"{ns.pp_run} CP=2 PP=2", 4, ["--context-parallel-size", "2", "--context-parallel-algo",
-                                                         ns.pp_run, "--pipeline-model-parallel-size", "2"]))
+            runs += [Run("cp1 PP=2", 2, pp),
+                     Run(f"{ns.pp_run} CP=2 PP=2", 4, ["--context-parallel-size", "2", "--context-parallel-algo",
+                                                      ns.pp_run, *pp], baseline="cp1 PP=2")]
         else:
             notes.append(f"PP=2 x CP=2: not run, {n_gpus} GPU(s) present")
     if ns.fsdp_run:
         # Megatron-LM asks for CUDA_DEVICE_MAX_CONNECTIONS unset with FSDP (it overlaps its own communication)
-        runs.append(Run(f"{ns.fsdp_run} CP=2 FSDP", 2, [
-            "--context-parallel-size", "2", "--context-parallel-algo", ns.fsdp_run, "--use-megatron-fsdp",
-            "--data-parallel-sharding-strategy", "optim_grads_params", "--use-distributed-optimizer",
-            "--ckpt-format", "fsdp_dtensor"], env={"CUDA_DEVICE_MAX_CONNECTIONS": None}))
+        fsdp = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
+                "--use-distributed-optimizer", "--ckpt-format", "fsdp_dtensor"]
+        env = {"CUDA_DEVICE_MAX_CONNECTIONS": None}
+        runs += [Run("cp1 FSDP", 1, fsdp, env=env),
+                 Run(f"{ns.fsdp_run} CP=2 FSDP", 2, ["--context-parallel-size", "2", "--context-parallel-algo",
+                                                   ns.fsdp_run, *fsdp], env=env, baseline="cp1 FSDP")]
     return runs, notes
 
 
@@ -136,10 +143,12 @@ def _launch(run: Run, tree: Path, common: list[str], devices: list[int], port: i
     return proc, fh, time.time() + timeout
 
 
-def execute(runs: list[Run], tree: Path, common: list[str], n_gpus: int, logdir: Path, timeout: float) -> None:
-    """Run the jobs, as many at once as the free GPUs allow (largest first); kill any past `timeout`."""
+def execute(runs: list[Run], tree: Path, common: list[str], n_gpus: int, logdir: Path, timeout: float,
+            per_gpu: int = 1) -> None:
+    """Run the jobs, as many at once as `per_gpu` ranks per GPU allow (largest first; a run's ranks on distinct
+    GPUs); kill any past `timeout`."""
     pending = sorted(runs, key=lambda r: -r.gpus)
-    free, active, port = list(range(n_gpus)), [], 29500 + os.getpid() % 1000
+    free, active, port = [per_gpu] * n_gpus, [], 29500 + os.getpid() % 1000
 
     def stop(signum, frame):                                      # leave no run behind when we are stopped
         for _, proc, *_ in active:
@@ -158,8 +167,10 @@ def execute(runs: list[Run], tree: Path, common: list[str], n_gpus: int, logdir:
 def _drive(pending, active, free, port, tree, common, logdir, timeout) -> None:
     while pending or active:
         for run in list(pending):
-            if run.gpus <= len(free):
-                devs, free = free[:run.gpus], free[run.gpus:]
+            devs = sorted(range(len(free)), key=lambda g: -free[g])[:run.gpus]
+            if len(devs) == run.gpus and all(free[g] > 0 for g in devs):
+                for g in devs:
+                    free[g] -= 1
                 port += 1
                 proc, fh, deadline = _launch(run, tree, common, devs, port, logdir, timeout)
                 active.append((run, proc, fh, deadline, devs, time.time()))
@@ -178,7 +189,8 @@ def _drive(pending, active, free, port, tree, common, logdir, timeout) -> None:
             fh.close()
             run.seconds = time.time() - t0
             run.losses = {int(i): float(v) for i, v in LOSS_RE.findall(run.log.read_text(errors="replace"))}
-            free += devs
+            for g in devs:
+                free[g] += 1
             active.remove(item)
             print(f"  {run.name}: exit {run.rc}, {len(run.losses)} iterations, {run.seconds:.0f} s", flush=True)
             if run.rc != 0:                                       # the end of its log says why
@@ -187,33 +199,36 @@ def _drive(pending, active, free, port, tree, common, logdir, timeout) -> None:
 
 
 def report(runs: list[Run], iters: int, tol: float) -> tuple[str, bool]:
-    """(markdown table of loss per iteration and max |diff| vs CP = 1, passed)."""
-    base = runs[0]
-    others = runs[1:]
-    lines = ["| iter | cp1 | " + " | ".join(r.name for r in others) + " |",
-             "|---" * (len(others) + 2) + "|"]
-    ok = base.rc == 0 and len(base.losses) == iters
-    worst = {}
-    for it in range(1, iters + 1):
-        row = [str(it), f"{base.losses[it]:.6f}" if it in base.losses else "-"]
-        for r in others:
-            v = r.losses.get(it)
-            if v is None or it not in base.losses:
-                row.append("-")
-                continue
-            d = v - base.losses[it]
-            worst[r.name] = max(worst.get(r.name, 0.0), abs(d))
-            row.append(f"{v:.6f} ({d:+.1e})")
-        lines.append("| " + " | ".join(row) + " |")
-    lines.append("")
-    for r in others:
-        good = r.rc == 0 and len(r.losses) == iters and worst.get(r.name, 1.0) <= tol
+    """(markdown: per baseline, a table of the loss per iteration with each run's difference from it, then one
+    PASS / FAIL line per run; passed)."""
+    by_name = {r.name: r for r in runs}
+    lines, ok = [], True
+    for base in [r for r in runs if r.name.startswith("cp1")]:
+        group = [r for r in runs if r.baseline == base.name and not r.name.startswith("cp1")]
+        lines += ["| iter | " + " | ".join([base.name] + [r.name for r in group]) + " |",
+                  "|---" * (len(group) + 2) + "|"]
+        for it in range(1, iters + 1):
+            b = base.losses.get(it)
+            row = [str(it), "-" if b is None else f"{b:.6f}"]
+            row += ["-" if r.losses.get(it) is None or b is None else f"{r.losses[it]:.6f} ({r.losses[it] - b:+.1e})"
+                    for r in group]
+            lines.append("| " + " | ".join(row) + " |")
+        lines.append("")
+    for r in runs:
+        complete = r.rc == 0 and len(r.losses) == iters
+        base = by_name.get(r.baseline)
+        if r.name.startswith("cp1"):
+            ok &= complete
+            if not complete:
+                lines.append(f"- {r.name}: FAIL (exit {r.rc}, {len(r.losses)}/{iters} iterations, log {r.log})")
+            continue
+        diffs = [abs(v - base.losses[i]) for i, v in r.losses.items() if base is not None and i in base.losses]
+        worst = max(diffs) if len(diffs) == iters else float("nan")
+        good = complete and worst <= tol
         ok &= good
         lines.append(f"- {r.name}: {'PASS' if good else 'FAIL'} (exit {r.rc}, {len(r.losses)}/{iters} iterations, "
-                     f"max |loss - cp1| {worst.get(r.name, float('nan')):.2e}, tol {tol:g}, {r.seconds:.0f} s"
+                     f"max |loss - {r.baseline}| {worst:.2e}, tol {tol:g}, {r.seconds:.0f} s"
                      f"{'' if r.rc == 0 else ', log ' + str(r.log)})")
-    if base.rc != 0 or len(base.losses) != iters:
-        lines.append(f"- cp1: FAIL (exit {base.rc}, {len(base.losses)}/{iters} iterations, log {base.log})")
     return "\n".join(lines), ok
 
 
@@ -235,6 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--global-batch-size", type=int, default=4)
     a("--workdir", default=None, help="where the patched copy, data and logs go (default: a new temp dir)")
     a("--timeout", type=float, default=600, help="seconds per run before it is killed")
+    a("--runs-per-gpu", type=int, default=4, help="ranks of different runs sharing one GPU (the model is small; "
+      "start-up, ~45 s of imports and initialisation per run on an H200 host, dominates)")
     a("--out", default=None, help="also write the report (markdown) here")
     return p
 
@@ -268,7 +285,7 @@ def main(argv=None) -> int:
     runs, notes = plan_runs(ns, n_gpus)
     print(f"megatron-cp-megatron-lm check: Megatron-LM {mlm} (megatron-core {'.'.join(map(str, rel))}), "
           f"{patch.name}, {n_gpus} GPU(s), {ns.dtype}, {len(runs)} runs, work dir {work}", flush=True)
-    execute(runs, tree, model_flags(ns, data), n_gpus, work / "logs", ns.timeout)
+    execute(runs, tree, model_flags(ns, data), n_gpus, work / "logs", ns.timeout, ns.runs_per_gpu)
     table, ok = report(runs, ns.iters, tol)
     text = "\n".join([table, *[f"- {n}" for n in notes], "", f"RESULT: {'PASS' if ok else 'FAIL'}"])
     print(text)
