@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Issue 15 items 1 and 3 on the GPUs present (about 3-5 min on 4 x H200; stops starting steps after $BUDGET s).
+# From the repo root:   OUT=/some/dir bash scripts/gpu_numerics_check.sh
+# No megatron-core needed. Logs under $OUT:
+#   large_activation.log  one GPU, issue 15's input (v ~ 1500, dO = 0.5; fp16 and bf16): error against fp64
+#                         of torch's SDPA per backend, flash-attn, our block kernels from the real O, from the
+#                         surrogate O and from an exact D, and every algorithm on a 1-rank group
+#   pytest_gpu.log        tests/test_local_attn.py's large-activation GPU test (cuDNN, FA2; fp16, bf16)
+#   nccl_P<n>.log         tests/nccl_check.py for each GPU count n in 2, 4, 8 present: every algorithm,
+#                         Attention2D on every grid of n, bf16 and fp16 large activations, S = $SEQ
+#   summary.txt           one line per step: exit code and seconds
+# Exits non-zero if any step fails or is skipped for time.
+OUT=${OUT:-results}; mkdir -p "$OUT"; : > "$OUT/summary.txt"
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
+SEQ=${SEQ:-32768}; BUDGET=${BUDGET:-440}
+GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())")
+status=0
+step() {  # step NAME MAX_S CMD...: run CMD, output to $OUT/NAME.log, within MAX_S and what is left of BUDGET
+  local name=$1 limit=$2 start=$SECONDS rc; shift 2
+  local left=$((BUDGET - SECONDS)); [ "$left" -lt "$limit" ] && limit=$left
+  if [ "$limit" -lt 30 ]; then echo "$name: skipped, out of time: $*" | tee -a "$OUT/summary.txt"; status=1; return; fi
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; rc=$?
+  echo "$name: rc=$rc, $((SECONDS - start)) s (limit $limit): $*" | tee -a "$OUT/summary.txt"
+  [ "$rc" = 0 ] || status=1
+}
+echo "GPUs: $GPUS" | tee -a "$OUT/summary.txt"
+step large_activation 90 python3 tests/large_activation_check.py
+step pytest_gpu 90 python3 -m pytest -q -rs -p no:cacheprovider tests/test_local_attn.py -k large_activations_on_gpu
+for n in 2 4 8; do
+  [ "$n" -le "$GPUS" ] && step "nccl_P$n" 200 torchrun --nproc-per-node "$n" tests/nccl_check.py --seq "$SEQ"
+done
+grep -h "FAIL\|all ok\|passed\|failed\|Error" "$OUT"/*.log | tail -30
+exit $status
