@@ -48,9 +48,15 @@ ADD_BYTES = 12
 ATTNFIX_BYTES = 30
 # Decode is launch-bound: its kernels take microseconds, and PyTorch's eager dispatch + CUDA launch costs ~5-10 us
 # each. Kernels per call, counted in algos/tree_decode.py: the local split-KV step 2, the max / weights / divide
-# of the all-reduce variants 14 (13 unpacked), merge_ 13 (allgather: 3 + 13 per rank; ring: 13 per step).
+# of the all-reduce variants 14 (13 unpacked), allgather's fused merge of the gathered buffer 1 (the split-KV
+# step writes its partial into that buffer), merge_ 13 (ring decoding: one per step).
 LAUNCH_S = 8e-6
-_DECODE_KERNELS = {"tree-allreduce3": 13, "tree-allreduce2": 14, "local": 2, "merge": 13}
+_DECODE_KERNELS = {"tree-allreduce3": 13, "tree-allreduce2": 14, "tree-allgather": 1, "local": 2, "merge": 13}
+# A decode step replayed as one CUDA graph has no host dispatch: kernel nodes follow each other ~2 us apart, and
+# an NCCL collective of a few kB costs ~20 us instead of the ~45 us of an eager call (2 x H200, bench.decode:
+# allreduce3 - allreduce2 = 22 us per layer, allgather - local = 21 us per layer, both graphed).
+GRAPH_LAUNCH_S = 2e-6
+GRAPH_LATENCY_RATIO = 0.45
 
 
 @dataclass(frozen=True)
@@ -537,40 +543,54 @@ def _ring_decode_msg(pb: DecodeProblem) -> int:
     return kv + (pb.batch * pb.shard * 8 if pb.positions else 0)
 
 
-def predict_decode(method: str, pb: DecodeProblem, hw: Hardware) -> float:
-    """Predicted seconds of one decode call (one layer) of `method` on `hw` (host overhead: LAUNCH_S per kernel)."""
+def predict_decode(method: str, pb: DecodeProblem, hw: Hardware, *, graphed: bool = False) -> float:
+    """Predicted seconds of one decode call (one layer) of `method` on `hw`. Host overhead: LAUNCH_S per kernel
+    eagerly; graphed (the step replayed as a CUDA graph): GRAPH_LAUNCH_S per kernel and collective latencies
+    scaled by GRAPH_LATENCY_RATIO."""
     if method not in DECODE_METHODS:
         raise ValueError(f"method must be one of {DECODE_METHODS}, got {method!r}")
     P, acc = pb.world, 8 if pb.dtype_bytes == 8 else 4
     k = _DECODE_KERNELS
+    launch = GRAPH_LAUNCH_S if graphed else LAUNCH_S
+
+    def link(**kw) -> _Link:
+        lk = _phase_link([list(range(P))], hw, **kw)
+        return dataclasses.replace(lk, lat=lk.lat * GRAPH_LATENCY_RATIO) if graphed else lk
+
     # The local flash-decode step streams its K, V shard from HBM; its FLOPs (4 b n_q h s d) are negligible.
-    local = 2 * pb.batch * pb.shard * pb.kv_heads * pb.head_dim * pb.dtype_bytes / hw.mem_bw + k["local"] * LAUNCH_S
+    local = 2 * pb.batch * pb.shard * pb.kv_heads * pb.head_dim * pb.dtype_bytes / hw.mem_bw + k["local"] * launch
     if P == 1:
         return local
-    group = [list(range(P))]
-    merge = pb.batch * pb.n_q * pb.heads * pb.head_dim * MERGE_BYTES / hw.mem_bw + k["merge"] * LAUNCH_S
+    merge = pb.batch * pb.n_q * pb.heads * pb.head_dim * MERGE_BYTES / hw.mem_bw + k["merge"] * launch
     if method == "ring-decode":
-        link = _phase_link(group, hw, p2p=True)
         steps = [local] + [local + merge] * (P - 2)
-        return _overlapped(steps, [link.t(_ring_decode_msg(pb))] * (P - 1)) + local + merge
+        return _overlapped(steps, [link(p2p=True).t(_ring_decode_msg(pb))] * (P - 1)) + local + merge
     o = pb.batch * pb.n_q * pb.heads * pb.head_dim * acc
     r = pb.batch * pb.heads * pb.n_q * acc
-    ar = _phase_link(group, hw, p2p=False, collective="allreduce")
-    ag = _phase_link(group, hw, p2p=False)
+    if method == "tree-allgather":
+        # One all-gather of every rank's packed (o, lse); one kernel reads the P partials and writes the output.
+        return local + link(p2p=False).t((P - 1) * (o + r)) + k[method] * launch + (P + 1) * (o + r) / hw.mem_bw
+    ar = link(p2p=False, collective="allreduce")
     if method == "tree-allreduce3":
         return (local + ar.t(2 * (P - 1) * r / P) + ar.t(2 * (P - 1) * o / P) + ar.t(2 * (P - 1) * r / P)
-                + k[method] * LAUNCH_S)
-    if method == "tree-allreduce2":
-        return local + ar.t(2 * (P - 1) * r / P) + ar.t(2 * (P - 1) * (o + r) / P) + k[method] * LAUNCH_S
-    return local + ag.t((P - 1) * (o + r)) + 3 * LAUNCH_S + P * merge
+                + k[method] * launch)
+    return local + ar.t(2 * (P - 1) * r / P) + ar.t(2 * (P - 1) * (o + r) / P) + k[method] * launch
 
 
-def choose_decode(pb: DecodeProblem, hw: Hardware, candidates=DECODE_METHODS) -> tuple[str, dict[str, float]]:
+def choose_decode(pb: DecodeProblem, hw: Hardware, candidates=DECODE_METHODS, *,
+                  graphed: bool = False) -> tuple[str, dict[str, float]]:
     """The fastest decode method by the model, and every candidate's predicted seconds."""
-    times = {m: predict_decode(m, pb, hw) for m in candidates}
+    times = {m: predict_decode(m, pb, hw, graphed=graphed) for m in candidates}
     if not times:
         raise ValueError("choose_decode: candidates is empty")
     return min(times, key=times.get), times
+
+
+def choose_tree_variant(pb: DecodeProblem, hw: Hardware, *, graphed: bool) -> tuple[str, dict[str, float]]:
+    """tree_decode's merge variant ("allreduce3" | "allreduce2" | "allgather") the model predicts fastest for
+    one layer, eager or graphed, and every variant's predicted seconds (keyed by variant)."""
+    best, times = choose_decode(pb, hw, DECODE_METHODS[:3], graphed=graphed)
+    return best.split("-", 1)[1], {m.split("-", 1)[1]: t for m, t in times.items()}
 
 
 # ----------------------------------------------------------------------------------------------- tables

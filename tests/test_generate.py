@@ -8,6 +8,16 @@ import torch
 L, NEW, VOCAB = 16, 32, 257
 
 
+def _sharpen(model):
+    """Scale Q and K up: with the default init (std 0.02) the tiny model attends almost uniformly, and a wrong
+    RoPE position or cache slot would rarely change a greedy token; scores x 16 make every key count."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "linear_qkv.weight" in name:
+                p.mul_(4)
+    return model
+
+
 def _generate(rank, world, algo, temperature=0.0, prompt_len=L, decoder="tree"):
     import warnings
     warnings.filterwarnings("ignore")
@@ -21,7 +31,8 @@ def _generate(rank, world, algo, temperature=0.0, prompt_len=L, decoder="tree"):
     cp_group = ps.get_context_parallel_group()
     torch.manual_seed(0)
     cp = CPConfig(algo=algo, cp_size=world)
-    model = build_gpt(tiny_config(cp_size=world), cp, vocab_size=VOCAB, seq_length=L + NEW, cp_group=cp_group)
+    model = _sharpen(build_gpt(tiny_config(cp_size=world), cp, vocab_size=VOCAB, seq_length=L + NEW,
+                               cp_group=cp_group))
     state = DecodeState(cp_group, decoder=decoder)
     install_decode_state(model, state)
     prompt = torch.randint(0, VOCAB, (2, L), generator=torch.Generator().manual_seed(3))[:, :prompt_len]
@@ -66,3 +77,80 @@ def test_ring_decode_baseline_gives_the_same_tokens(pools, reference, world):
     ref = reference if L_ok == L else pools(1).run(_generate, "ring", 0.0, L_ok)[0][0]
     res = pools(world).run(_generate, "ring", 0.0, L_ok, "ring")
     assert all(t == ref for t, _ in res)
+
+
+# ------------------------------------------------------------------------------ the static (graphable) decode step
+def _static(rank, world, algo, temperature=0.0, prompt_len=L, decoder="tree", variant=None, capacity_slack=0):
+    import warnings
+    warnings.filterwarnings("ignore")
+    from megatron.core import parallel_state as ps
+
+    from megatron_cp_plugin.inference.static import StaticDecoder
+    from megatron_cp_plugin.megatron import CPConfig
+    from megatron_cp_plugin.megatron.model import build_gpt, tiny_config
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(context_parallel_size=world)
+    cp_group = ps.get_context_parallel_group()
+    torch.manual_seed(0)
+    cp = CPConfig(algo=algo, cp_size=world)
+    model = _sharpen(build_gpt(tiny_config(cp_size=world), cp, vocab_size=VOCAB, seq_length=L + NEW,
+                               cp_group=cp_group))
+    prompt = torch.randint(0, VOCAB, (2, L), generator=torch.Generator().manual_seed(3))[:, :prompt_len]
+    dec = StaticDecoder(model, cp_group, batch=2, capacity=-(-(prompt_len + NEW) // world) + capacity_slack,
+                        decoder=decoder, variant=variant, graphed=False, temperature=temperature, top_p=0.9, seed=5)
+    out = dec.generate(prompt, max_new_tokens=NEW, algo=algo)
+    # The cache holds this rank's round-robin share only, at the fill the step advanced on the device.
+    assert int(dec.cache.fill) == dec.fill_host and dec.position_host == prompt_len + NEW - 1
+    assert (dec.cache.pos[:, :dec.fill_host] >= 0).all() and (dec.cache.pos[:, dec.fill_host:] == -1).all()
+    return out.tolist(), dec.fill_host
+
+
+@pytest.mark.parametrize("world, algo, decoder, variant", [
+    (1, "ring", "tree", None), (2, "ring", "tree", None), (2, "attention2d-o", "tree", "allreduce3"),
+    (4, "burst", "tree", "allreduce2"), (2, "ring", "ring", None)])
+def test_static_step_eager_gives_the_existing_paths_tokens(pools, reference, world, algo, decoder, variant):
+    # The static step (fixed-capacity cache, device positions and lengths, device sampling) run eagerly: the
+    # same greedy tokens as generate() at CP = 1, on every rank, for every merge variant and ring decoding.
+    res = pools(world).run(_static, algo, 0.0, L, decoder, variant, 3)
+    assert all(tokens == reference for tokens, _ in res)
+    fills = sorted(f for _, f in res)
+    assert sum(fills) == L + NEW - 1 and fills[-1] - fills[0] <= 1
+
+
+@pytest.mark.parametrize("prompt_len", (13, 3))
+def test_static_step_prompt_tail_and_no_prefill(pools, prompt_len):
+    ref = pools(1).run(_generate, "ring", 0.0, prompt_len)[0][0]
+    assert all(t == ref for t, _ in pools(4).run(_static, "ring", 0.0, prompt_len))
+
+
+def test_static_top_p_is_the_same_on_every_rank_and_cp_size(pools):
+    ref = pools(1).run(_static, "ring", 0.8)[0][0]
+    res = pools(2).run(_static, "burst", 0.8)
+    assert all(t == ref for t, _ in res)
+    greedy = pools(1).run(_static, "ring", 0.0)[0][0]
+    assert ref != greedy                                     # it did sample
+
+
+def _static_bad(rank, world, case):
+    from megatron.core import parallel_state as ps
+
+    from megatron_cp_plugin.inference.static import StaticDecoder
+    from megatron_cp_plugin.megatron import CPConfig
+    from megatron_cp_plugin.megatron.model import build_gpt, tiny_config
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(context_parallel_size=world)
+    g = ps.get_context_parallel_group()
+    model = build_gpt(tiny_config(cp_size=world), CPConfig(algo="ring", cp_size=world), vocab_size=VOCAB,
+                      seq_length=64, cp_group=g)
+    kw = {"batch": 1, "capacity": 4, "graphed": False, **case}
+    dec = StaticDecoder(model, g, **kw)
+    dec.generate(torch.zeros(1, 8, dtype=torch.long), max_new_tokens=4, algo="ring")
+
+
+@pytest.mark.parametrize("case, needle", [({"decoder": "nope"}, "decoder"), ({"variant": "x"}, "variant"),
+                                          ({"top_p": 0.0}, "top_p"), ({"capacity": 0}, "capacity"),
+                                          ({}, "capacity")])    # 8 + 4 tokens need 6 slots per rank, not 4
+def test_static_bad_input(pools, case, needle):
+    out = pools(2).run_outcomes(_static_bad, case, timeout=60)
+    for ok, val in out.values():
+        assert not ok and val[0] == "ValueError" and needle in val[1], val

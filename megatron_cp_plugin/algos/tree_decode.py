@@ -16,6 +16,10 @@ Masks: `kv_positions` [b, s_local] gives each local key's global position (-1: a
 batch of different lengths is padded) and `q_positions` [b, n_q] each query's; a key is visible to a query iff
 0 <= kv_pos <= q_pos, which also orders several query tokens causally among themselves (speculative
 verification) once their own K, V are in the cache. Without positions every local key is visible.
+A cache of fixed capacity (a CUDA-graphed generation step) passes `kv_lengths` [b] instead: keys [0, length)
+of each row are the filled ones; the split-KV kernel reads nothing past them, so a step costs the fill.
+With a `Workspace` (kernels/flash_decode.py) the local step writes its (o, lse) straight into the packed
+all-gather buffer and allocates nothing, which is what a graph capture of all layers needs.
 """
 from __future__ import annotations
 
@@ -31,7 +35,7 @@ VARIANTS = ("allreduce3", "allreduce2", "allgather")
 DEFAULT_VARIANT = "allgather"    # fastest eager at 32k-512k on 2 x H200 (docs/results/decode.md): one collective + one fused merge kernel
 
 
-def _check(q, k, v, group, variant, kv_positions, q_positions, validate):
+def _check(q, k, v, group, variant, kv_positions, q_positions, validate, kv_lengths=None):
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -48,6 +52,9 @@ def _check(q, k, v, group, variant, kv_positions, q_positions, validate):
         raise ValueError(f"kv_positions must be [b, s_local] = {tuple(k.shape[:2])}, got {tuple(kv_positions.shape)}")
     if q_positions is not None and tuple(q_positions.shape) != tuple(q.shape[:2]):
         raise ValueError(f"q_positions must be [b, n_q] = {tuple(q.shape[:2])}, got {tuple(q_positions.shape)}")
+    if kv_lengths is not None and (tuple(kv_lengths.shape) != (q.shape[0],) or kv_lengths.dtype.is_floating_point):
+        raise ValueError(f"kv_lengths must be an integer tensor [b] = [{q.shape[0]}], got "
+                         f"{tuple(kv_lengths.shape)} {kv_lengths.dtype}")
     group = resolve_group(group)
     if validate and dist.get_world_size(group) > 1:
         # One tiny all-gather, so that ranks disagreeing on shapes raise together instead of hanging.
@@ -63,25 +70,72 @@ def _check(q, k, v, group, variant, kv_positions, q_positions, validate):
 
 def tree_decode(q, k, v, *, group=None, softmax_scale: float | None = None, variant: str = DEFAULT_VARIANT,
                 kv_positions: torch.Tensor | None = None, q_positions: torch.Tensor | None = None,
-                backend: str | None = None, validate: bool = True) -> torch.Tensor:
+                kv_lengths: torch.Tensor | None = None, backend: str | None = None, validate: bool = True,
+                workspace: fd.Workspace | None = None) -> torch.Tensor:
     """Decode-time attention over a KV cache sharded over `group` (no autograd).
 
     q [b, n_q, h, d] replicated on every rank; k, v [b, s_local, h_kv, d] this rank's cache shard.
-    Returns [b, n_q, h, d] on every rank. `validate=False` skips the shape agreement check (one tiny
-    all-gather) and the empty-cache check (a device-to-host read), for a generation loop that has already
-    validated its shapes and cache.
+    Returns [b, n_q, h, d] on every rank. kv_lengths [b] (on q's device): only keys [0, length) of the shard
+    are filled. `validate=False` skips the shape agreement check (one tiny all-gather) and the empty-cache
+    check (a device-to-host read), for a generation loop that has already validated its shapes and cache
+    (and for a CUDA graph capture, which allows no host read).
     """
-    group = _check(q, k, v, group, variant, kv_positions, q_positions, validate)
+    group = _check(q, k, v, group, variant, kv_positions, q_positions, validate, kv_lengths)
     with torch.no_grad():
-        # Line 2: the local partial, split-KV flash-decoding (kernels/flash_decode.py) on GPUs.
-        o, lse = decode_fwd(q, k, v, scale=softmax_scale, kv_positions=kv_positions, q_positions=q_positions,
-                            backend=backend)                             # [b, n_q, h, d], [b, h, n_q] fp32
-        o, lse = tree_merge(o, lse, group=group, variant=variant)
+        if _split_kv(q, backend, kv_lengths, workspace):
+            o, lse = _tree_decode_split_kv(q, k, v, group, softmax_scale, variant, kv_positions, q_positions,
+                                           kv_lengths, workspace)
+        else:
+            if kv_lengths is not None:                                   # the other kernels take a mask
+                kv_positions = positions_within(kv_lengths, k.shape[1], kv_positions)
+            # Line 2: the local partial, split-KV flash-decoding (kernels/flash_decode.py) on GPUs.
+            o, lse = decode_fwd(q, k, v, scale=softmax_scale, kv_positions=kv_positions, q_positions=q_positions,
+                                backend=backend)                         # [b, n_q, h, d], [b, h, n_q] fp32
+            o, lse = tree_merge(o, lse, group=group, variant=variant)
     # The check reads a value back to the host (a stall per call): done with the validation only.
     if validate and torch.isinf(lse).any():
         raise ValueError("tree_decode: a query sees no key on any rank (the KV cache is empty everywhere, or "
                          "every key is masked for it)")
     return o.to(q.dtype)
+
+
+def positions_within(kv_lengths, s: int, kv_positions=None):
+    """kv_positions [b, s] that mark slots at or past each row's length empty (-1); filled slots keep
+    `kv_positions` (or their slot index)."""
+    slots = torch.arange(s, device=kv_lengths.device)
+    pos = slots.expand(kv_lengths.shape[0], s) if kv_positions is None else kv_positions
+    return torch.where(slots[None, :] < kv_lengths[:, None], pos, torch.full_like(pos, -1))
+
+
+def _split_kv(q, backend, kv_lengths, workspace) -> bool:
+    """Whether to call the split-KV kernel directly (for kv_lengths / a workspace): on a CUDA device for any
+    float dtype but fp64 (fp32 runs it exactly), or when backend="triton" asks for it (the CPU interpreter)."""
+    if (kv_lengths is None and workspace is None) or backend not in (None, "triton"):
+        return False
+    ok = fd.available(q.device) and q.shape[-1] in fd.HEAD_DIMS and q.dtype != torch.float64
+    return ok and (q.device.type == "cuda" or backend == "triton")
+
+
+def _tree_decode_split_kv(q, k, v, group, scale, variant, kv_positions, q_positions, kv_lengths, ws):
+    """Line 2 with the split-KV kernel, then the merge. allgather: the kernel's merged rows and lse land in one
+    packed buffer, which is all-gathered and merged by one kernel into q's dtype (4 launches per layer)."""
+    b, n_q, h, d = q.shape
+    kw = dict(scale=scale, kv_positions=kv_positions, q_positions=q_positions, kv_lengths=kv_lengths, workspace=ws)
+    if dist.get_world_size(group) == 1 or variant != "allgather":
+        o, lse = fd.flash_decode(q, k, v, **kw)
+        return tree_merge(o, lse, group=group, variant=variant)
+    rows = b * n_q * h
+    take = ws.take if ws is not None else (lambda _n, n, dt, dev: torch.empty(n, dtype=dt, device=dev))
+    packed = take("tree_decode.packed", rows * (d + 1), torch.float32, q.device)
+    fd.flash_decode(q, k, v, out=(packed[:rows * d].view(rows, d), packed[rows * d:]), **kw)
+    parts = all_gather(group, packed)                                    # [P, rows * (d + 1)]
+    o_rows, l_rows = fd.merge_packed(parts, d, out_dtype=q.dtype)
+    # Kernel row order (batch, KV head, query token, head in group) back to [b, n_q, h, d] and [b, h, n_q].
+    h_kv = k.shape[2]
+    g = h // h_kv
+    o = o_rows.view(b, h_kv, n_q, g, d).permute(0, 2, 1, 3, 4).reshape(b, n_q, h, d)
+    lse = l_rows.view(b, h_kv, n_q, g).permute(0, 1, 3, 2).reshape(b, h, n_q)
+    return o, lse
 
 
 def tree_merge(o: torch.Tensor, lse: torch.Tensor, *, group=None, variant: str = DEFAULT_VARIANT):
@@ -114,18 +168,17 @@ def _allreduce(group, o, lse, packed: bool):
 
 
 def _allgather(group, o, lse):
-    if o.dtype == torch.float32 and fd.available(o.device) and o.shape[-1] in fd.HEAD_DIMS:
-        # One packed all-gather and one fused merge kernel: the fewest launches per layer (host-bound decode).
-        b, n_q, h, d = o.shape
-        lse_rows = lse.transpose(1, 2)                                   # [b, n_q, h]: o's row order
-        parts = all_gather(group, torch.cat([o.flatten(), lse_rows.flatten()]))
-        n = o.numel()
-        out, acc = fd.merge_partials(parts[:, :n].view(-1, b * n_q * h, d), parts[:, n:])
+    b, n_q, h, d = o.shape
+    lse_rows = lse.transpose(1, 2)                                       # [b, n_q, h]: o's row order
+    parts = all_gather(group, torch.cat([o.flatten(), lse_rows.flatten()]))   # [world, n_o + n_lse]
+    if o.dtype == torch.float32 and fd.available(o.device) and d in fd.HEAD_DIMS:
+        # One fused merge kernel reading the gathered buffer in place: the fewest launches per layer.
+        out, acc = fd.merge_packed(parts, d)
         return out.view(b, n_q, h, d), acc.view(b, n_q, h).transpose(1, 2)
-    parts = all_gather(group, torch.cat([o.flatten(), lse.flatten()]))   # [world, n_o + n_lse]
     out, acc = torch.zeros_like(o), torch.full_like(lse, float("-inf"))
+    n = o.numel()
     for r in range(parts.shape[0]):
-        merge_(out, acc, parts[r, :o.numel()].view_as(o), parts[r, o.numel():].view_as(lse))
+        merge_(out, acc, parts[r, :n].view_as(o), parts[r, n:].view_as(lse_rows).transpose(1, 2))
     return out, acc
 
 

@@ -2,37 +2,77 @@
 
     megatron-cp-generate --nproc 4 --prompt "Once upon a time" --max-new-tokens 32
     torchrun --nproc-per-node 2 -m megatron_cp_plugin.inference.cli --load ckpt/ --prompt-file p.txt --bf16
+    megatron-cp-generate --config configs/gpt3-760m.toml --prompt-ids 1,2,3 --decode-mode eager
 
-The model flags are megatron-cp-pretrain's (a checkpoint from it loads with --load; without --load the
-weights are random, seeded by --seed). The prompt is byte-level text (--prompt, --prompt-file) or token ids
-(--prompt-ids). Prefill uses --context-parallel-algo, decoding `tree_decode`. Prints the tokens, the text and
-the latency of every new token.
+The flags are megatron-cp-pretrain's, and --config reads the same TOML files (keys = flag names; the command
+line overrides them). With --load the model arguments come from the checkpoint (a model flag that disagrees
+with it is an error naming the flag); without, the weights are random (seeded by --seed). The prompt is
+byte-level text (--prompt, --prompt-file) or token ids (--prompt-ids), repeated --batch-size times. Prefill
+uses --context-parallel-algo; decoding is a static step (inference/static.py), replayed as one CUDA graph per
+token (--decode-mode graph, the default on GPUs) or run eagerly (the same tokens). Reports the tokens, the
+prefill time, the per-token latency, tokens/s and the bandwidth floor of the run: (weight bytes + this rank's
+KV shard bytes) / the GPU's memory bandwidth.
 """
 from __future__ import annotations
 
-import os
-import time
+import json
+import statistics
+import sys
 
 import torch
 import torch.distributed as dist
 
-from ..pretrain import _validate, build_parser, launch, transformer_config
+from ..pretrain import _validate, build_parser, launch, parse_with_configs, transformer_config
+from .checkpoint import MODEL_ARGS, apply_model_args, checkpoint_path, model_args_of, set_unless_given
 
 
 def _args(argv=None):
     p = build_parser(__doc__)
+    p.add_argument("--config", nargs="+", default=None, metavar="FILE",
+                   help="TOML files of flag defaults (keys = flag names without --), as megatron-cp-pretrain's")
     g = p.add_argument_group("generation")
-    src = g.add_mutually_exclusive_group(required=True)
+    src = g.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="prompt text (byte-level tokens)")
     src.add_argument("--prompt-file", help="file holding the prompt text")
     src.add_argument("--prompt-ids", help="comma-separated token ids")
     g.add_argument("--max-new-tokens", type=int, default=32)
+    g.add_argument("--batch-size", type=int, default=1, help="sequences decoded together (the prompt repeated)")
     g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--decode-variant", choices=("allreduce3", "allreduce2", "allgather"), default=None)
+    g.add_argument("--decode-variant", choices=("allreduce3", "allreduce2", "allgather"), default=None,
+                   help="tree decoding's merge (default: the decode cost model's choice)")
     g.add_argument("--decoder", choices=("tree", "ring"), default="tree",
                    help="tree decoding, or the ring-decode baseline (K, V shards passed round every step)")
-    return p.parse_args(argv)
+    g.add_argument("--decode-mode", choices=("graph", "eager"), default=None,
+                   help="replay the decode step as a CUDA graph (default on GPUs) or run it eagerly")
+    g.add_argument("--mem-bw", type=float, default=None, metavar="TB/s",
+                   help="memory bandwidth for the floor (default: H200 4.3, H100 3.0, else measured)")
+    g.add_argument("--result-json", default=None, metavar="PATH", help="rank 0 writes tokens and timings here")
+    defaults = {name: p.get_default(name) for name in MODEL_ARGS}
+    p.set_defaults(**{name: None for name in MODEL_ARGS})      # None = not given, so a checkpoint can fill it
+    args = parse_with_configs(p, argv)
+    if not (args.prompt is not None or args.prompt_file or args.prompt_ids):
+        p.error("one of --prompt, --prompt-file, --prompt-ids is required")
+    given = {name for name in MODEL_ARGS if getattr(args, name) is not None}
+    if args.load:
+        apply_model_args(args, model_args_of(checkpoint_path(args.load)), given, defaults)
+    else:
+        set_unless_given(args, given, defaults)
+    for name, lo in (("max_new_tokens", 1), ("batch_size", 1)):
+        if getattr(args, name) < lo:
+            p.error(f"--{name.replace('_', '-')} must be >= {lo}")
+    return args
+
+
+def _prompt_ids(args, tok) -> list[int]:
+    if args.prompt_ids:
+        ids = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
+    else:
+        text = args.prompt if args.prompt is not None else open(args.prompt_file, encoding="utf-8").read()
+        ids = tok.tokenize(text)
+    if not ids or max(ids) >= tok.vocab_size or min(ids) < 0:
+        raise ValueError(f"--prompt: need at least one token id in [0, {tok.vocab_size}), got {len(ids)} tokens")
+    return ids
 
 
 def _generate(args) -> None:
@@ -41,19 +81,17 @@ def _generate(args) -> None:
 
     from ..megatron.model import build_gpt
     from ..megatron.tokenizer import ByteTokenizer
-    from .generate import DecodeState, generate, install_decode_state
+    from .floor import floor_line, memory_bandwidth, weight_bytes
+    from .static import StaticDecoder
 
     gpu = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
     world, rank = dist.get_world_size(), dist.get_rank()
     tok = ByteTokenizer(args.vocab_size)
-    if args.prompt_ids:
-        ids = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
-    else:
-        text = args.prompt if args.prompt is not None else open(args.prompt_file, encoding="utf-8").read()
-        ids = tok.tokenize(text)
-    if not ids or max(ids) >= tok.vocab_size or min(ids) < 0:
-        raise ValueError(f"--prompt: need at least one token id in [0, {tok.vocab_size}), got {len(ids)} tokens")
+    ids = _prompt_ids(args, tok)
+    graphed = (args.decode_mode or ("graph" if gpu else "eager")) == "graph"
+    if graphed and not gpu:
+        raise ValueError("--decode-mode graph needs a GPU (CUDA graphs); use --decode-mode eager")
     args.seq_length = len(ids) + args.max_new_tokens
     args.seq_length += -args.seq_length % (2 * world)       # only sizes the RoPE table; prompts of any length
     cp_cfg = _validate(args, world)
@@ -67,33 +105,48 @@ def _generate(args) -> None:
     model = build_gpt(transformer_config(args, gpu), cp_cfg, vocab_size=tok.vocab_size,
                       seq_length=args.max_position_embeddings or args.seq_length, cp_group=cp_group).to(device)
     if args.load:
-        with open(os.path.join(args.load, "latest_checkpointed_iteration.txt")) as f:
-            it = int(f.read())
         loaded = dist_checkpointing.load({"model": model.sharded_state_dict(prefix="model.")},
-                                         os.path.join(args.load, f"iter_{it:07d}"))
+                                         checkpoint_path(args.load))
         model.load_state_dict(loaded["model"], strict=False)
-    state = DecodeState(cp_group, variant=args.decode_variant, decoder=args.decoder)
-    install_decode_state(model, state)
-    prompt = torch.tensor([ids], device=device)
-    stamps = [time.perf_counter()]
-
-    def on_token(step, t):
-        if gpu:
-            torch.cuda.synchronize()
-        stamps.append(time.perf_counter())
-
-    out = generate(model, prompt, max_new_tokens=args.max_new_tokens, state=state, algo=cp_cfg.algo,
-                   temperature=args.temperature, top_p=args.top_p, seed=args.seed, on_token=on_token)
-    lat = [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:])]
-    if rank == 0:
-        new = out[0].tolist()
-        how = "ring-decode" if args.decoder == "ring" else f"tree_decode({args.decode_variant or 'default'})"
-        print(f"megatron-cp-generate: {world} ranks, prefill {cp_cfg.algo}, decode {how}, prompt {len(ids)} tokens")
-        print("tokens:", new)
-        print("text:", repr(tok.detokenize(new)))
-        print(f"latency: first token (prefill) {lat[0]:.1f} ms; then per token " +
-              " ".join(f"{x:.1f}" for x in lat[1:]) + " ms")
-    ps.destroy_model_parallel()
+    P = cp_group.size()
+    dec = StaticDecoder(model, cp_group, batch=args.batch_size, capacity=-(-(len(ids) + args.max_new_tokens) // P),
+                        decoder=args.decoder, variant=args.decode_variant, graphed=graphed,
+                        temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    prompt = torch.tensor([ids] * args.batch_size, device=device)
+    try:
+        out = dec.generate(prompt, max_new_tokens=args.max_new_tokens, algo=cp_cfg.algo)
+        t = dec.timings
+        lat = t["token_ms"]
+        med = statistics.median(lat) if lat else None
+        # The floor at the generation's mean context; the fullest rank holds ceil(context / P) tokens.
+        mean_ctx = len(ids) + (args.max_new_tokens - 1) / 2
+        kv = int(-(-mean_ctx // P)) * dec.cache.bytes_per_token()
+        bw = memory_bandwidth(device, None if args.mem_bw is None else args.mem_bw * 1e12)
+        weights = weight_bytes(model)
+        if rank == 0:
+            how = f"tree, merge {dec.variant_note}" if args.decoder == "tree" and P > 1 else args.decoder
+            print(f"megatron-cp-generate: {world} ranks (CP {P}), prefill {cp_cfg.algo}, decode {how}, "
+                  f"{'CUDA graph' if graphed else 'eager'}, batch {args.batch_size}, prompt {len(ids)} tokens, "
+                  f"{args.max_new_tokens} new")
+            for row in out.tolist():
+                print("tokens:", row)
+                print("text:", repr(tok.detokenize(row)))
+            print(f"prefill {t['prefill_s']:.3f} s ({len(ids)} tokens); graph capture {t['capture_s']:.3f} s")
+            if med is not None:
+                print(f"per-token latency: median {med:.2f} ms (min {min(lat):.2f}, max {max(lat):.2f}) over "
+                      f"{len(lat)} steps; {args.batch_size * 1e3 / med:.1f} tokens/s (batch {args.batch_size})")
+            print(floor_line(weights, kv, bw, med * 1e-3 if med else None))
+            if args.result_json:
+                with open(args.result_json, "w") as f:
+                    json.dump({"tokens": out.tolist(), "world": world, "decoder": args.decoder,
+                               "variant": dec.variant, "graphed": graphed, "prompt_tokens": len(ids),
+                               "batch": args.batch_size, "prefill_s": t["prefill_s"], "token_ms": lat,
+                               "median_token_ms": med, "weight_bytes": weights, "kv_shard_bytes": kv,
+                               "bandwidth": bw, "device": torch.cuda.get_device_name(device) if gpu else "cpu",
+                               "argv": sys.argv[1:]}, f, indent=1)
+    finally:
+        dec.close()                 # before the process group goes: NCCL waits for graphs holding its collectives
+        ps.destroy_model_parallel()
 
 
 def main(argv=None) -> None:

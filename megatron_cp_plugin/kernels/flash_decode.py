@@ -13,9 +13,16 @@ does. Two more choices for decoding:
     visible iff 0 <= kv_pos <= q_pos. That covers padded / ragged shards, a preallocated cache read past its
     fill, and several causal query tokens (speculative verification) without a dense mask.
 K, V may be any strided view whose last dim is contiguous (a slice of a preallocated cache).
+For a cache of fixed capacity (a CUDA-graphed decode step), `kv_lengths` [b] (a device tensor) bounds the
+keys each row reads: programs past a row's length read nothing, so a step costs the fill, not the capacity,
+and the launch shapes stay those of the capacity. `workspace` (a `Workspace`) holds the partials between
+calls, so a step of many layers allocates nothing (nor does its graph capture); `out` lets phase 2 write the
+merged rows straight into a caller's buffer (tree decoding's packed all-gather buffer).
 
-    o, lse = flash_decode(q [b, n_q, h, d], k [b, s, h_kv, d], v, scale=None, kv_positions=None, q_positions=None)
+    o, lse = flash_decode(q [b, n_q, h, d], k [b, s, h_kv, d], v, scale=None, kv_positions=None, q_positions=None,
+                          kv_lengths=None, workspace=None, out=None)
     # o [b, n_q, h, d] fp32, lse [b, h, n_q] fp32 (-inf, o = 0 where a query sees no key)
+    out, lse = merge_packed(parts [P, R*d + R], d, out_dtype)   # P packed (o, lse) partials -> one (o, lse)
 
 `flash_decode_reference` is the plain-PyTorch definition it is tested against.
 """
@@ -83,11 +90,12 @@ if triton is not None:
         return o, lse
 
     @triton.jit
-    def _partial_kernel(Q, K, V, KPOS, QPOS, O, L,
+    def _partial_kernel(Q, K, V, KPOS, QPOS, KLEN, O, L,
                         sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, spb, sqpb,
                         H_KV, S, SPLIT_LEN, NUM_SPLITS, scale_log2,
                         NQ: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        D: tl.constexpr, HAS_KPOS: tl.constexpr, HAS_QPOS: tl.constexpr, PREC: tl.constexpr):
+                        D: tl.constexpr, HAS_KPOS: tl.constexpr, HAS_QPOS: tl.constexpr, HAS_KLEN: tl.constexpr,
+                        PREC: tl.constexpr):
         # Phase 1: program (b * h_kv + kv head, split) -> partial (o, lse) of its NQ * G rows over its keys.
         pid_bh, split = tl.program_id(0), tl.program_id(1)
         bi, kh = pid_bh // H_KV, pid_bh % H_KV
@@ -102,10 +110,15 @@ if triton is not None:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
-        # SPLIT_LEN is a multiple of BLOCK_N, so a split's blocks end at its own end or at S.
-        for n0 in range(0, SPLIT_LEN, BLOCK_N):
+        # SPLIT_LEN is a multiple of BLOCK_N, so a split's blocks end at its own end or at the row's length.
+        s_row = S
+        n_end = SPLIT_LEN
+        if HAS_KLEN:         # a fixed-capacity cache: read only the filled keys (none in splits past the fill)
+            s_row = tl.minimum(tl.load(KLEN + bi).to(tl.int32), S)
+            n_end = tl.minimum(s_row - split * SPLIT_LEN, SPLIT_LEN)
+        for n0 in range(0, n_end, BLOCK_N):
             cols = split * SPLIT_LEN + n0 + tl.arange(0, BLOCK_N)
-            col_ok = cols < S
+            col_ok = cols < s_row
             kb = tl.load(K + bi * skb + cols[:, None] * skt + kh * skh + dims[None, :], mask=col_ok[:, None], other=0.0)
             vb = tl.load(V + bi * svb + cols[:, None] * svt + kh * svh + dims[None, :], mask=col_ok[:, None], other=0.0)
             s = tl.dot(q, tl.trans(kb), input_precision=PREC) * scale_log2   # log2 domain
@@ -124,31 +137,51 @@ if triton is not None:
         tl.store(L + base + rows, lse, mask=row_ok)
 
     @triton.jit
-    def _merge_kernel(O, L, OUT, LSE, NUM_PARTS, ROWS, PART_STRIDE, GROUP_STRIDE,
+    def _merge_kernel(O, L, OUT, LSE, NUM_PARTS, ROWS, O_PART, O_GROUP, L_PART, L_GROUP,
                       PARTS: tl.constexpr, D: tl.constexpr):
-        # Program (group, row) merges the NUM_PARTS partials of its row: partial i of row r of group g sits at
-        # row index g * GROUP_STRIDE + i * PART_STRIDE + r of O [*, D] and L [*].
+        # Program (group, row) merges the NUM_PARTS partials of its row: partial i of row r of group g is the D
+        # values at O + g * O_GROUP + i * O_PART + r * D and the lse at L + g * L_GROUP + i * L_PART + r
+        # (element offsets). The merged row goes to OUT (stored in OUT's dtype) and its lse to LSE (fp32).
         grp, row = tl.program_id(0), tl.program_id(1)
         sp = tl.arange(0, PARTS)
         sp_ok = sp < NUM_PARTS
         dims = tl.arange(0, D)
-        idx = grp * GROUP_STRIDE + sp * PART_STRIDE + row
-        lse = tl.load(L + idx, mask=sp_ok, other=float("-inf"))
+        lse = tl.load(L + grp * L_GROUP + sp * L_PART + row, mask=sp_ok, other=float("-inf"))
         m = tl.max(lse, 0)
         m_ref = tl.where(m == float("-inf"), 0.0, m)
         w = tl.exp(lse - m_ref)
-        o = tl.load(O + idx[:, None] * D + dims[None, :], mask=sp_ok[:, None], other=0.0)
+        o = tl.load(O + grp * O_GROUP + sp[:, None] * O_PART + row * D + dims[None, :], mask=sp_ok[:, None],
+                    other=0.0)
         tot = tl.sum(w, 0)
         out = tl.sum(o * w[:, None], 0) / tl.where(tot > 0, tot, 1.0)
-        tl.store(OUT + (grp * ROWS + row) * D + dims, out)
+        tl.store(OUT + (grp * ROWS + row) * D + dims, out.to(OUT.dtype.element_ty))
         tl.store(LSE + grp * ROWS + row, tl.where(tot > 0, m_ref + tl.log(tot), float("-inf")))
 
 
-def _merge(o, lse, groups, parts, rows, part_stride, group_stride):
-    out = torch.empty(groups * rows, o.shape[-1], device=o.device, dtype=torch.float32)
-    out_lse = torch.empty(groups * rows, device=o.device, dtype=torch.float32)
-    _merge_kernel[(groups, rows)](o, lse, out, out_lse, parts, rows, part_stride, group_stride,
-                                  PARTS=triton.next_power_of_2(parts), D=o.shape[-1], num_warps=4)
+def _merge(o, lse, groups, parts, rows, part_stride, group_stride, out=None, out_lse=None, out_dtype=torch.float32):
+    """Merge partials laid out in rows of o [*, D] / lse [*] (strides in rows, see _merge_kernel)."""
+    d = o.shape[-1]
+    out = torch.empty(groups * rows, d, device=o.device, dtype=out_dtype) if out is None else out
+    out_lse = torch.empty(groups * rows, device=o.device, dtype=torch.float32) if out_lse is None else out_lse
+    _merge_kernel[(groups, rows)](o, lse, out, out_lse, parts, rows, part_stride * d, group_stride * d,
+                                  part_stride, group_stride, PARTS=triton.next_power_of_2(parts), D=d, num_warps=4)
+    return out, out_lse
+
+
+def merge_packed(parts, d: int, out_dtype=torch.float32, out=None, out_lse=None):
+    """Merge P packed partials in one kernel: parts [P, R * d + R] fp32, each row p = (o [R, d] flattened, then
+    lse [R]) as one rank packed it for an all-gather -> (o [R, d] in out_dtype, lse [R] fp32). `out`, `out_lse`:
+    optional destinations (no allocation)."""
+    if parts.dim() != 2 or parts.dtype != torch.float32 or d not in HEAD_DIMS or parts.shape[1] % (d + 1):
+        raise ValueError(f"merge_packed: parts [P, R * (d + 1)] fp32 with d in {HEAD_DIMS} expected, got "
+                         f"{tuple(parts.shape)} {parts.dtype}, d = {d}")
+    parts = parts.contiguous()
+    P, width = parts.shape
+    R = width // (d + 1)
+    out = torch.empty(R, d, device=parts.device, dtype=out_dtype) if out is None else out
+    out_lse = torch.empty(R, device=parts.device, dtype=torch.float32) if out_lse is None else out_lse
+    _merge_kernel[(1, R)](parts, parts[0, R * d:], out, out_lse, P, R, width, 0, width, 0,
+                          PARTS=triton.next_power_of_2(P), D=d, num_warps=4)
     return out, out_lse
 
 
@@ -182,38 +215,76 @@ def _check(q, k, v, kv_positions, q_positions):
         raise ValueError(f"q_positions must be [b, n_q] = {(b, n_q)}, got {tuple(q_positions.shape)}")
 
 
+class Workspace:
+    """Scratch buffers reused by every call of a decode step: its layers call the same kernels with the same
+    shapes one after another (stream order keeps them apart), so one buffer per name serves them all and a CUDA
+    graph capture of the step allocates nothing here. A buffer grows only outside a capture."""
+
+    def __init__(self):
+        self._bufs: dict[str, torch.Tensor] = {}
+
+    def take(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        buf = self._bufs.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != device:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"Workspace: buffer {name!r} would be allocated during CUDA graph capture; run "
+                                   "the step once outside the capture (a warm-up) first")
+            buf = self._bufs[name] = torch.empty(numel, dtype=dtype, device=device)
+        return buf[:numel]
+
+
 def num_splits_for(b: int, h_kv: int, s: int) -> int:
     """Splits so that b * h_kv * splits is about TARGET_PROGRAMS, each split at least one key block."""
     return max(1, min(math.ceil(TARGET_PROGRAMS / max(1, b * h_kv)), math.ceil(s / BLOCK_N)))
 
 
 def flash_decode(q, k, v, *, scale: float | None = None, kv_positions=None, q_positions=None,
-                 num_splits: int | None = None):
-    """Partial attention of q [b, n_q, h, d] over k, v [b, s, h_kv, d]: (o [b, n_q, h, d] fp32, lse [b, h, n_q] fp32)."""
+                 num_splits: int | None = None, kv_lengths=None, workspace: Workspace | None = None, out=None):
+    """Partial attention of q [b, n_q, h, d] over k, v [b, s, h_kv, d]: (o [b, n_q, h, d] fp32, lse [b, h, n_q] fp32).
+
+    kv_lengths [b] (int, on q's device): row i reads keys [0, kv_lengths[i]) only (with kv_positions, both
+    apply). out = (o_rows [b * h_kv * n_q * g, d] fp32, lse_rows [same] fp32): where the merged rows go, in
+    the kernel's row order (batch, KV head, query token, head in group); the returned (o, lse) are views of them.
+    """
     _check(q, k, v, kv_positions, q_positions)
     b, n_q, h, d = q.shape
     s, h_kv = k.shape[1], k.shape[2]
     g = h // h_kv
+    if kv_lengths is not None and (tuple(kv_lengths.shape) != (b,) or kv_lengths.dtype.is_floating_point
+                                   or kv_lengths.device != q.device):
+        raise ValueError(f"kv_lengths must be an integer tensor [b] = [{b}] on {q.device}, got "
+                         f"{tuple(kv_lengths.shape)} {kv_lengths.dtype} on {kv_lengths.device}")
     scale = d ** -0.5 if scale is None else scale
     block_m = max(16, triton.next_power_of_2(n_q * g))      # tl.dot needs 16 rows; padded rows cost no bandwidth
     splits = num_splits or num_splits_for(b, h_kv, s)
     split_len = triton.cdiv(triton.cdiv(max(s, 1), splits), BLOCK_N) * BLOCK_N
     splits = triton.cdiv(max(s, 1), split_len)
-    part_o = torch.empty(b * h_kv * splits * block_m, d, device=q.device, dtype=torch.float32)
-    part_l = torch.empty(b * h_kv * splits * block_m, device=q.device, dtype=torch.float32)
+    n_part = b * h_kv * splits * block_m
+    if workspace is not None:
+        part_o = workspace.take("flash_decode.o", n_part * d, torch.float32, q.device).view(n_part, d)
+        part_l = workspace.take("flash_decode.lse", n_part, torch.float32, q.device)
+    else:
+        part_o = torch.empty(n_part, d, device=q.device, dtype=torch.float32)
+        part_l = torch.empty(n_part, device=q.device, dtype=torch.float32)
     kpos = kv_positions.contiguous() if kv_positions is not None else part_l     # a dummy pointer when absent
     qpos = q_positions.contiguous() if q_positions is not None else part_l
+    klen = kv_lengths if kv_lengths is not None else part_l
     _partial_kernel[(b * h_kv, splits)](
-        q, k, v, kpos, qpos, part_o, part_l,
+        q, k, v, kpos, qpos, klen, part_o, part_l,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), kpos.stride(0), qpos.stride(0),
         h_kv, s, split_len, splits, scale * 1.4426950408889634,
         NQ=n_q, G=g, BLOCK_M=block_m, BLOCK_N=BLOCK_N, D=d,
-        HAS_KPOS=kv_positions is not None, HAS_QPOS=q_positions is not None,
+        HAS_KPOS=kv_positions is not None, HAS_QPOS=q_positions is not None, HAS_KLEN=kv_lengths is not None,
         PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)   # fp32 exact; tf32 is moot for bf16
     # Phase 2: partial i of row r of (batch, KV head) x is row (x * splits + i) * block_m + r.
-    out, lse = _merge(part_o, part_l, b * h_kv, splits, n_q * g, block_m, splits * block_m)
+    rows = b * h_kv * n_q * g
+    if out is not None and (out[0].shape != (rows, d) or out[1].shape != (rows,) or out[0].dtype != torch.float32
+                            or out[1].dtype != torch.float32 or not out[0].is_contiguous()):
+        raise ValueError(f"flash_decode: out must be (fp32 [{rows}, {d}] contiguous, fp32 [{rows}])")
+    o_rows, l_rows = _merge(part_o, part_l, b * h_kv, splits, n_q * g, block_m, splits * block_m,
+                            *(out if out is not None else (None, None)))
     # Rows are (t, j) per KV head: back to [b, n_q, h, d] and [b, h, n_q] (head = kv head * g + j).
-    out = out.view(b, h_kv, n_q, g, d).permute(0, 2, 1, 3, 4).reshape(b, n_q, h, d)
-    lse = lse.view(b, h_kv, n_q, g).permute(0, 1, 3, 2).reshape(b, h, n_q)
-    return out, lse
+    o = o_rows.view(b, h_kv, n_q, g, d).permute(0, 2, 1, 3, 4).reshape(b, n_q, h, d)
+    lse = l_rows.view(b, h_kv, n_q, g).permute(0, 1, 3, 2).reshape(b, h, n_q)
+    return o, lse

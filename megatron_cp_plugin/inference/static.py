@@ -1,0 +1,398 @@
+"""A static decode step: every buffer preallocated, every varying number a device tensor, so the whole step
+(all layers of the GPTModel, tree decoding's merge collectives and the sampling) is captured once as a CUDA
+graph and replayed per token. Eager mode runs the same code without the graph and gives the same tokens.
+
+    dec = StaticDecoder(model, cp_group, batch=1, capacity=64 + 32, decoder="tree", graphed=True)
+    tokens = dec.generate(prompt [b, L], max_new_tokens=32, algo="ring")   # [b, 32], the same on every rank
+    dec.timings                            # prefill / capture seconds, per-token milliseconds
+    dec.close()                            # free the graph before destroying the process group
+
+Why each piece is static: a replay re-runs the captured kernels on the captured addresses with no Python, so
+  * the cache is `StaticCache`: every layer's K, V shard at a fixed capacity plus one scratch slot, allocated
+    once. The new token's K, V go to slot `fill` of the rank that owns its position (position mod P, round-robin
+    as in `generate`), to the scratch slot on the others, so every rank runs the same kernels;
+  * the position, the fill and the fed token are device tensors that the step itself advances;
+  * tree decoding reads `kv_lengths` (fill, plus the new token where owned): the split-KV kernel stops at the
+    fill, so a step reads what is filled, not the capacity; its buffers come from one `Workspace`;
+  * RoPE's row is computed from the position tensor; sampling is `sampling.sample` (no host read-back).
+Prefill is the model's own forward with a training algorithm (`CPCoreAttention` hands each layer's K, V shard
+to `store_prefill`), as in `generate`. The tree merge variant, unless given, is the decode cost model's choice
+for this context, P and mode (graphed or eager), logged once.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..algos.ring_decode import ring_decode
+from ..algos.tree_decode import VARIANTS, tree_decode
+from ..kernels.flash_decode import Workspace
+from ..sharding import sequence_positions
+from .generate import _prefill_multiple, install_decode_state
+from .sampling import check_sampling, sample
+
+log = logging.getLogger("megatron_cp_plugin.inference")
+WARMUP_STEPS = 2          # eager steps on a side stream before capture (Triton compiles, NCCL sets up)
+
+
+def gpt_of(model):
+    """The GPTModel inside wrappers (DDP, Float16Module: `.module`)."""
+    while not hasattr(model, "rotary_pos_emb") and hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+class StaticCache:
+    """This rank's K, V shard of every layer: k, v [layers, b, capacity + 1, h_kv, d] (slot `capacity` is the
+    scratch slot), pos [b, capacity + 1] the global position of each slot (-1: empty; one array serves every
+    layer, as every layer holds the same tokens), fill [1] int64 on the device (slots filled, in every layer)."""
+
+    def __init__(self, layers: int, batch: int, capacity: int, kv_heads: int, head_dim: int, dtype, device):
+        self.capacity = capacity
+        self.k, self.v = (torch.zeros(layers, batch, capacity + 1, kv_heads, head_dim, dtype=dtype, device=device)
+                          for _ in range(2))
+        self.pos = torch.full((batch, capacity + 1), -1, dtype=torch.long, device=device)
+        self.fill = torch.zeros(1, dtype=torch.long, device=device)
+
+    def bytes_per_token(self) -> int:
+        """Bytes of K and V that one filled slot holds over all layers and the batch."""
+        layers, b, _, h_kv, d = self.k.shape
+        return 2 * layers * b * h_kv * d * self.k.element_size()
+
+
+class StaticDecoder:
+    """Generation with a sequence-sharded KV cache and a static (CUDA-graphable) decode step.
+
+    model: a GPTModel from build_gpt (any CP algorithm; the same on every rank of cp_group); batch, capacity:
+    sequences and cache slots per rank (capacity >= ceil((prompt + new tokens) / P)); decoder "tree" or
+    "ring" (the baseline); variant: tree_decode's merge (None: the cost model's choice); graphed: capture the
+    step as a CUDA graph (default on GPUs); temperature (0: greedy), top_p, seed: sampling.
+    """
+
+    def __init__(self, model, cp_group, *, batch: int, capacity: int, decoder: str = "tree",
+                 variant: str | None = None, graphed: bool | None = None, temperature: float = 0.0,
+                 top_p: float = 1.0, seed: int = 0):
+        from ..megatron.attention import CPCoreAttention
+
+        if decoder not in ("tree", "ring"):
+            raise ValueError(f"decoder must be 'tree' or 'ring' (the ring-decode baseline), got {decoder!r}")
+        if variant is not None and variant not in VARIANTS:
+            raise ValueError(f"variant must be one of {VARIANTS} or None (the cost model's choice), got {variant!r}")
+        for name, v in (("batch", batch), ("capacity", capacity)):
+            if not (isinstance(v, int) and v >= 1):
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        check_sampling(temperature, top_p)
+        self.model, self.group, self.decoder = model, cp_group, decoder
+        self.world, self.rank = cp_group.size(), cp_group.rank()
+        self.batch, self.temperature, self.top_p, self.seed = batch, temperature, top_p, seed
+        self.device = next(model.parameters()).device
+        self.graphed = self.device.type == "cuda" if graphed is None else graphed
+        if self.graphed and self.device.type != "cuda":
+            raise ValueError("graphed=True needs the model on a CUDA device")
+        gpt = gpt_of(model)
+        cfg = gpt.config
+        self.owners = [m for m in model.modules() if isinstance(getattr(m, "core_attention", None), CPCoreAttention)]
+        if not self.owners:
+            raise ValueError("model: no CPCoreAttention layers (build it with megatron_cp_plugin.megatron.build_gpt)")
+        tp = cfg.tensor_model_parallel_size
+        self.heads = cfg.num_attention_heads // tp
+        self.kv_heads = (cfg.num_query_groups or cfg.num_attention_heads) // tp
+        self.head_dim = cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
+        self.cache = StaticCache(len(self.owners), batch, capacity, self.kv_heads, self.head_dim,
+                                 cfg.params_dtype, self.device)
+        self.variant, self.variant_note = variant, f"{variant} (given)"
+        if decoder == "tree" and variant is None:
+            self.variant, self.variant_note = self._choose_variant(capacity * self.world)
+        dev, long = self.device, torch.long
+        self.tokens = torch.zeros(batch, 1, dtype=long, device=dev)        # the token fed to the step
+        self.position = torch.zeros(1, dtype=long, device=dev)              # its global position
+        self.position_ids = torch.zeros(batch, 1, dtype=long, device=dev)
+        self.next_tokens = torch.zeros(batch, dtype=long, device=dev)      # the token the step sampled
+        self.workspace = Workspace()
+        rope = getattr(gpt, "rotary_pos_emb", None)
+        inner = getattr(rope, "inner", rope)
+        self._inv_freq = None if inner is None else inner.inv_freq.to(dev)
+        self._rope_inner, self._gpt = inner, gpt
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.position_host = self.fill_host = 0                            # host mirrors (no read-back)
+        self.timings: dict = {}
+
+    # ------------------------------------------------------------------------------------------ set-up
+    def _choose_variant(self, context: int) -> tuple[str, str]:
+        from .. import cost_model as cm
+        from .floor import hardware_of
+
+        hw = hardware_of(self.device)
+        pb = cm.DecodeProblem(context, self.world, self.heads, self.kv_heads, self.head_dim, batch=self.batch,
+                              dtype_bytes=self.cache.k.element_size())
+        best, times = cm.choose_tree_variant(pb, hw, graphed=self.graphed)
+        note = (f"{best} (the decode cost model's choice: {hw.name}, "
+                f"{'graphed' if self.graphed else 'eager'}, context {context}, P = {self.world}; us per layer "
+                + ", ".join(f"{v} {t * 1e6:.0f}" for v, t in times.items()) + ")")
+        if self.rank == 0:
+            log.info("tree merge variant %s", note)
+        return best, note
+
+    def reset(self, position: int = 0, fill: int = 0) -> None:
+        """Set the step's state (in place: a captured graph stays valid): the next token is at `position`, this
+        rank's shard holds `fill` tokens; slots from `fill` on are marked empty."""
+        if not 0 <= fill <= self.cache.capacity:
+            raise ValueError(f"fill {fill} outside the cache capacity {self.cache.capacity}")
+        self.position.fill_(position)
+        self.cache.fill.fill_(fill)
+        self.cache.pos[:, fill:] = -1
+        self.position_host, self.fill_host = position, fill
+
+    def _share(self, n: int) -> int:
+        """Tokens of positions [0, n) that this rank holds (round-robin: position mod P)."""
+        return n // self.world + (1 if self.rank < n % self.world else 0)
+
+    def fill_random(self, context: int, seed: int = 0) -> None:
+        """Fill the cache as if `context` tokens had been decoded round-robin, with random K, V (N(0, 1)): for
+        latency measurements at contexts whose prefill would take minutes."""
+        n = self._share(context)
+        if n > self.cache.capacity:
+            raise ValueError(f"context {context}: {n} tokens on this rank exceed the capacity {self.cache.capacity}")
+        g = torch.Generator(device=self.device).manual_seed(seed * 1000 + self.rank)
+        for x in (self.cache.k, self.cache.v):
+            for layer in x:                                               # a layer at a time: no big temporary
+                layer[:, :n].normal_(generator=g)
+        self.cache.pos[:, :n] = torch.arange(n, device=self.device) * self.world + self.rank
+        self.reset(context, n)
+
+    # ------------------------------------------------------------------------------------------ prefill
+    @torch.no_grad()
+    def prefill(self, prompt: torch.Tensor, algo: str):
+        """Run the longest shardable prefix of prompt [b, L] with `algo`, keeping each layer's K, V shard in the
+        cache. Returns the last prefilled token's logits [b, vocab] fp32 (None when nothing was prefilled)."""
+        b, L = prompt.shape
+        P = self.world
+        L0 = L - L % _prefill_multiple(algo, P)
+        self.reset(0, 0)
+        if not L0:
+            return None
+        index = {m.core_attention.layer_number: i for i, m in enumerate(self.owners)}
+        cache = self.cache
+
+        class _Prefill:                                  # the interface CPCoreAttention's prefill hook expects
+            mode, cp_group = "prefill", self.group
+
+            @staticmethod
+            def store_prefill(layer, k, v, positions):
+                i, s = index[layer], k.shape[1]
+                cache.k[i, :, :s], cache.v[i, :, :s] = k, v
+                cache.pos[:, :s] = positions
+
+        pos = sequence_positions(L0, algo=algo, rank=self.rank, world_size=P).to(self.device)
+        if pos.numel() > cache.capacity:
+            raise ValueError(f"prompt: {pos.numel()} prefilled tokens on this rank exceed the capacity {cache.capacity}")
+        self.model.eval()
+        install_decode_state(self.model, _Prefill())
+        try:
+            logits = self.model(prompt[:, :L0].index_select(1, pos), pos.expand(b, -1), None)   # [b, L0 / P, V]
+        finally:
+            install_decode_state(self.model, None)
+        last = (pos == L0 - 1).nonzero()
+        row = (logits[:, last[0, 0]].float().contiguous() if len(last)
+               else torch.zeros(b, logits.shape[-1], device=self.device))
+        if P > 1:
+            dist.all_reduce(row, group=self.group)                         # the owner's row, everywhere
+        self.reset(L0, pos.numel())
+        return row
+
+    # ------------------------------------------------------------------------------------------ the step
+    @contextlib.contextmanager
+    def _hooked(self):
+        """Swap each layer's core attention and the RoPE module for the static ones for the step's forward."""
+        saved = [m.core_attention for m in self.owners]
+        rope = getattr(self._gpt, "rotary_pos_emb", None)
+        try:
+            for i, m in enumerate(self.owners):
+                m.core_attention = _StaticCore(saved[i], i, self)
+            if rope is not None:
+                self._gpt.rotary_pos_emb = _StaticRope(rope, self)
+            yield
+        finally:
+            for m, c in zip(self.owners, saved):
+                m.core_attention = c
+            if rope is not None:
+                self._gpt.rotary_pos_emb = rope
+
+    def _body(self):
+        """One decode step on device tensors only (what the graph captures)."""
+        c, b = self.cache, self.batch
+        owner = torch.remainder(self.position, self.world) == self.rank                     # [1]
+        # Over capacity (only warm-up steps can get there) the write lands in the scratch slot.
+        self._slot = torch.where(owner, c.fill, c.capacity).clamp_(max=c.capacity)
+        self._lengths = (c.fill + owner).clamp_(max=c.capacity).to(torch.int32).expand(b).contiguous()
+        c.pos.index_copy_(1, self._slot, torch.where(owner, self.position, -1).expand(b, 1))
+        self.position_ids.copy_(self.position.expand(b, 1))
+        logits = self.model(self.tokens, self.position_ids, None)                         # [b, 1, vocab]
+        nxt = sample(logits[:, -1].float(), temperature=self.temperature, top_p=self.top_p, seed=self.seed,
+                     key=self.position + 1)
+        self.next_tokens.copy_(nxt)
+        self.tokens.copy_(nxt[:, None])
+        c.fill.add_(owner)
+        self.position.add_(1)
+
+    def capture(self) -> None:
+        """Warm up on a side stream, restore the state, capture the step as one CUDA graph."""
+        state = (self.position_host, self.fill_host, self.tokens.clone())
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), self._hooked():
+            for _ in range(WARMUP_STEPS):
+                self._body()
+        torch.cuda.current_stream().wait_stream(side)
+        self.reset(*state[:2])
+        self.tokens.copy_(state[2])
+        graph = torch.cuda.CUDAGraph()
+        with self._hooked(), torch.cuda.graph(graph):
+            self._body()
+        self.graph = graph
+
+    def step(self) -> None:
+        """Decode one token: feed self.tokens at self.position; self.next_tokens gets the sampled token."""
+        # The fullest rank holds ceil((position + 1) / P) tokens after this step (equal prefill shares, then
+        # round-robin): the same test on every rank, so all raise together.
+        if -(-(self.position_host + 1) // self.world) > self.cache.capacity:
+            raise ValueError(f"the KV cache is full ({self.cache.capacity} slots per rank) at position "
+                             f"{self.position_host}: make the capacity at least ceil((prompt + new tokens) / P)")
+        if self.graphed:
+            if self.graph is None:
+                self.capture()
+            self.graph.replay()
+        else:
+            with self._hooked():
+                self._body()
+        self.fill_host += int(self.position_host % self.world == self.rank)
+        self.position_host += 1
+
+    def close(self) -> None:
+        """Free the graph (NCCL waits for graphs that captured its collectives when destroying a group)."""
+        self.graph = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    # ------------------------------------------------------------------------------------------ generation
+    @torch.no_grad()
+    def generate(self, prompt: torch.Tensor, *, max_new_tokens: int, algo: str) -> torch.Tensor:
+        """prompt [batch, L] (the same on every rank) -> new tokens [batch, max_new_tokens], identical on every
+        rank. Records self.timings: prefill_s, capture_s, token_ms (per decode step, after the first token)."""
+        b, L = prompt.shape
+        if b != self.batch or L < 1:
+            raise ValueError(f"prompt must be [batch={self.batch}, L >= 1], got {tuple(prompt.shape)}")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        need = -(-(L + max_new_tokens) // self.world)
+        if need > self.cache.capacity:
+            raise ValueError(f"capacity {self.cache.capacity} < ceil((prompt {L} + {max_new_tokens} new) / P) = {need}")
+        prompt = prompt.to(self.device)
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        row = self.prefill(prompt, algo)
+        out = []
+        if row is not None and self.position_host == L:                  # the first new token from the prefill
+            key = torch.full((1,), L, dtype=torch.long, device=self.device)
+            out.append(sample(row, temperature=self.temperature, top_p=self.top_p, seed=self.seed, key=key))
+            self.tokens.copy_(out[-1][:, None])
+        sync()
+        t1 = time.perf_counter()
+        if self.graphed and self.graph is None:
+            self.capture()
+        sync()
+        t2 = time.perf_counter()
+        for p in range(self.position_host, L):                            # the prompt's tail, a step each
+            self.tokens.copy_(prompt[:, p:p + 1])
+            self.step()
+        if not out:
+            out.append(self.next_tokens.clone())
+        sync()
+        t3 = time.perf_counter()
+        stamps = _Stamps(self.device)
+        for _ in range(max_new_tokens - 1):
+            self.step()
+            out.append(self.next_tokens.clone())
+            stamps.mark()
+        self.timings = {"prefill_s": t1 - t0, "capture_s": t2 - t1, "tail_s": t3 - t2,
+                        "token_ms": stamps.intervals_ms()}
+        return torch.stack(out, 1)
+
+
+class _Stamps:
+    """Times between consecutive marks without a host sync per mark (CUDA events), read at the end."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        self.marks = [self._now()]
+
+    def _now(self):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def mark(self):
+        self.marks.append(self._now())
+
+    def intervals_ms(self) -> list[float]:
+        if self.cuda:
+            self.marks[-1].synchronize()
+            return [a.elapsed_time(b) for a, b in zip(self.marks, self.marks[1:])]
+        return [(b - a) * 1e3 for a, b in zip(self.marks, self.marks[1:])]
+
+
+class _StaticCore(torch.nn.Module):
+    """A layer's core attention during the static step: write the new K, V to the slot, attend over the shard."""
+
+    def __init__(self, inner, index: int, dec: StaticDecoder):
+        super().__init__()
+        self.inner, self.index, self.dec = inner, index, dec
+
+    def forward(self, query, key, value, attention_mask=None, **_):
+        """query [1, b, h, d], key, value [1, b, h_kv, d] (RoPE applied) -> [1, b, h * d]."""
+        dec, c = self.dec, self.dec.cache
+        k_all, v_all = c.k[self.index], c.v[self.index]
+        k_all.index_copy_(1, dec._slot, key.transpose(0, 1))
+        v_all.index_copy_(1, dec._slot, value.transpose(0, 1))
+        q, cap = query.transpose(0, 1), c.capacity
+        scale = self.inner.softmax_scale
+        if dec.decoder == "ring":
+            o = ring_decode(q, k_all[:, :cap], v_all[:, :cap], group=dec.group, softmax_scale=scale,
+                            kv_positions=c.pos[:, :cap])
+        else:
+            o = tree_decode(q, k_all[:, :cap], v_all[:, :cap], group=dec.group, softmax_scale=scale,
+                            variant=dec.variant, kv_lengths=dec._lengths, validate=False, workspace=dec.workspace)
+        return o.transpose(0, 1).reshape(query.shape[0], query.shape[1], -1)
+
+
+class _StaticRope(torch.nn.Module):
+    """RoPE's table row of the decoder's position tensor, [1, 1, 1, dim], as Megatron's get_emb computes it."""
+
+    def __init__(self, outer, dec: StaticDecoder):
+        super().__init__()
+        self.outer, self.dec = outer, dec
+
+    def forward(self, *_, **__):
+        inner, dec = self.dec._rope_inner, self.dec
+        seq = dec.position.to(torch.float32)
+        if inner.seq_len_interpolation_factor is not None:
+            seq = seq * (1 / inner.seq_len_interpolation_factor)
+        freqs = torch.outer(seq, dec._inv_freq)                                  # [1, dim / 2]
+        if inner.rotary_interleaved:
+            emb = torch.stack((freqs, freqs), dim=-1).view(freqs.shape[0], -1)
+        else:
+            emb = torch.cat((freqs, freqs), dim=-1)
+        return emb[:, None, None, :]
+
+    def __getattr__(self, name):                                           # get_rotary_seq_len, ...
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.outer, name)
