@@ -133,7 +133,8 @@ def test_bwd_with_delta_equals_bwd_with_o(dtype, chunk, mask, sq, sk, h, hk):
     with_d = block_bwd(do, q, k, v, None, lse, mask=mask, delta=delta, chunk_size=chunk)
     for n, a, b in zip(GRADS, with_o, with_d):
         assert a.dtype == b.dtype and a.shape == b.shape, n
-        assert torch.allclose(a, b, rtol=0, atol=1e-12 if dtype == torch.float64 else 1e-6), n
+        # D through the surrogate is exact to the accumulator: a few ulps of fp32 (fp64) apart.
+        assert _rel(a, b.double()) <= (1e-13 if dtype == torch.float64 else 1e-6), n
 
 
 def test_bwd_needs_o_or_delta():

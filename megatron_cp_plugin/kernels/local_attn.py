@@ -168,31 +168,28 @@ def surrogate_out(do: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     not: every backend's backward reads O only to form D = rowsum(dO * O) (fp32 sums of exact products).
 
     do [b, s, h, d]; delta [b, h, s] fp32 (fp64 for fp64). Build it once per query block and reuse it over
-    that block's key blocks. Its entries never exceed the dtype's range (fp16: 65504) for any D that a real
-    O of this dtype gives (|D| <= max|O| * sum|dO|), and D comes out to fp32 (fp64) accuracy, not to the
-    dtype's: the largest |dO| entries are saturated at +-max while they cannot reach D alone, the next one
-    takes the rest, and the two after it the rounding residues of the ones before.
+    that block's key blocks. Like a real O it has entries c * sign(dO) with c = D / sum|dO|, so it fits the
+    dtype wherever a real O does (|D| <= max|O| * sum|dO|: fp16's 65504 is never exceeded, issue 15); the
+    three largest |dO| entries instead carry the rest and the rounding residues of each other, which makes
+    D exact to fp32 (fp64), not to the 16-bit dtype (as long as the mean |O| is below a third of its max).
     """
-    acc = acc_dtype(do.dtype)
-    big = torch.finfo(do.dtype).max
+    acc, big = acc_dtype(do.dtype), torch.finfo(do.dtype).max
     x = do.to(acc)
     t = delta.transpose(1, 2).unsqueeze(-1).to(acc)                     # [b, s, h, 1]
-    mag, order = x.abs().sort(-1, descending=True)
-    xs = x.gather(-1, order)
-    reach = mag * big                                                   # inf for bf16 / fp32 rows: never full
-    full = torch.cumsum(reach, -1) < t.abs()                            # a prefix of the sorted row
-    vals = torch.where(full, torch.sign(t) * torch.sign(xs) * big, torch.zeros_like(xs))
-    rest = t - torch.sign(t) * torch.where(full, reach, torch.zeros_like(reach)).sum(-1, keepdim=True)
-    n, d = full.sum(-1, keepdim=True), x.shape[-1]
-    for i in range(3):
-        idx = (n + i).clamp(max=d - 1)
-        xi = xs.gather(-1, idx)
-        use = (n + i < d) & (xi != 0)
-        val = (rest / torch.where(use, xi, torch.ones_like(xi))).clamp(-big, big).to(do.dtype).to(acc)
-        val = torch.where(use, val, torch.zeros_like(val))
-        vals.scatter_(-1, idx, torch.where(use, val, vals.gather(-1, idx)))
+    mag = x.abs()
+    top, idx = mag.topk(min(3, x.shape[-1]), -1)
+    l1 = mag.sum(-1, keepdim=True)
+    c = (t / torch.where(l1 > 0, l1, torch.ones_like(l1))).clamp(-big, big).to(do.dtype).to(acc)
+    out = torch.sign(x).mul_(c)
+    rest = t - c * (l1 - top.sum(-1, keepdim=True))                     # what the top entries must carry
+    xs, vals = x.gather(-1, idx), []
+    for i in range(idx.shape[-1]):
+        xi = xs[..., i:i + 1]
+        val = (rest / torch.where(xi != 0, xi, torch.ones_like(xi))).clamp(-big, big).to(do.dtype).to(acc)
+        val = torch.where(xi != 0, val, torch.zeros_like(val))
         rest = rest - xi * val
-    return torch.empty_like(do).scatter_(-1, order, vals.to(do.dtype))
+        vals.append(val)
+    return out.scatter_(-1, idx, torch.cat(vals, -1)).to(do.dtype)
 
 
 def attention_delta(do: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
