@@ -12,7 +12,9 @@ after the forward's merge (FlashAttention-2's backward, applied per block).
 One backward contract for every backend: the kernel is handed O and derives D = rowsum(dO * O) from it
 itself (cuDNN and FA2 take no D). Where only D is known (a block of another rank's queries), the caller
 hands a surrogate O (`surrogate_out`) whose rowsum with dO is D; the math kernel takes the same path, so
-the CPU tests exercise the surrogate the GPUs depend on.
+the CPU tests exercise the surrogate the GPUs depend on. A D formed from a 16-bit O carries O's rounding:
+where dP - D cancels (large activations) that bounds dq, dk for every such backward, one device included
+(docs/numerics.md).
 
 Masks: "none"; "causal" (key j visible to query i iff j <= i, needs sq == sk); "causal_strict" (j < i,
 needs sq == sk; row 0 sees no key: o = 0, lse = -inf, and its gradients are 0); in block_fwd only, a bool
