@@ -66,7 +66,7 @@ def _flash_attn(q, k, v, do):
 
 def main():
     rank, world, dev = init_distributed()
-    assert world == 1 and dev.type == "cuda", "run on one GPU without torchrun"
+    assert world == 1 and dev.type == "cuda", "needs a CUDA GPU, run as one process (no torchrun)"
     failures = []
     for dtype in (torch.float16, torch.bfloat16):
         q, k, v, do = _inputs(dtype, dev)
