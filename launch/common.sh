@@ -1,6 +1,12 @@
 # shellcheck shell=bash disable=SC2034  # PY, RUN_NAME, RESULT_JSON are for the script that sources this
-# Sourced by launch/run.sh (SLURM) and launch/local.sh (one machine): the environment -> pretrain flags.
-# Sets REPO, PY (interpreter), RUN_NAME, RESULT_JSON and the array PRETRAIN_ARGS; needs NNODES, NPROC_PER_NODE.
+# Sourced by launch/run.sh (SLURM) and launch/local.sh (one machine): the environment -> the training command.
+# Sets REPO, PY (interpreter), RUN_NAME, RESULT_JSON, TRAIN_CWD (where the ranks start) and the array TRAIN_CMD
+# (what follows `torchrun ...`); needs NNODES, NPROC_PER_NODE.
+#   TRAINER     plugin (default): megatron-cp-pretrain; megatron-lm: Megatron-LM's pretrain_gpt.py in
+#               $MEGATRON_LM (patched here when it is not yet: megatron-cp-megatron-lm patch), with the same
+#               configs turned into its flags by megatron_cp_plugin.megatron.lm_flags
+#   MEGATRON_LM a Megatron-LM checkout (TRAINER=megatron-lm); LAYOUT: auto (default), zero1 or fsdp
+#   DRY_RUN     1: print the command and exit (no srun, no torchrun)
 #   CONFIG      config files, space-separated, later ones override earlier (default configs/tiny.toml)
 #   ALGO        --context-parallel-algo (default attention2d-no)
 #   SEQ         --seq-length (default: the config's)
@@ -27,3 +33,38 @@ PRETRAIN_ARGS=(--config "${_configs[@]}" --context-parallel-algo "$ALGO" --resul
 # Attention2D keeps grid rows inside a node when it knows the node size (ring and burst ignore it)
 PRETRAIN_ARGS+=(--cp-gpus-per-node "$NPROC_PER_NODE")
 PRETRAIN_ARGS+=("${_extra[@]}")
+
+TRAINER=${TRAINER:-plugin}
+case $TRAINER in
+  plugin)
+    TRAIN_CWD=$REPO
+    TRAIN_CMD=(-m megatron_cp_plugin.pretrain "${PRETRAIN_ARGS[@]}") ;;
+  megatron-lm)
+    if [[ -z ${MEGATRON_LM:-} || ! -f ${MEGATRON_LM:-}/pretrain_gpt.py ]]; then
+      echo "launch: TRAINER=megatron-lm needs MEGATRON_LM=<a Megatron-LM checkout with pretrain_gpt.py>" >&2
+      exit 2
+    fi
+    # --result-json is the plugin trainer's; Megatron-LM logs the per-iteration loss itself
+    _lm_args=()
+    for ((i = 0; i < ${#PRETRAIN_ARGS[@]}; i++)); do
+      if [[ ${PRETRAIN_ARGS[i]} == --result-json ]]; then ((i++)) || true; else _lm_args+=("${PRETRAIN_ARGS[i]}"); fi
+    done
+    _flags=$(cd "$REPO" && "$PY" -W ignore -m megatron_cp_plugin.megatron.lm_flags \
+      --world-size $((NNODES * NPROC_PER_NODE)) --layout "${LAYOUT:-auto}" "${_lm_args[@]}") || exit 2
+    mapfile -t _lm_flags <<<"$_flags"
+    if [[ ${DRY_RUN:-0} != 1 ]]; then
+      (cd "$REPO" && "$PY" -W ignore -m megatron_cp_plugin.megatron.megatron_lm patch "$MEGATRON_LM") || exit 2
+    fi
+    TRAIN_CWD=$MEGATRON_LM
+    TRAIN_CMD=(pretrain_gpt.py "${_lm_flags[@]}")
+    # Megatron-LM wants one CUDA connection for TP/CP overlap on Hopper, and none set with Megatron-FSDP
+    if printf '%s\n' "${_lm_flags[@]}" | grep -qx -- --use-megatron-fsdp; then
+      unset CUDA_DEVICE_MAX_CONNECTIONS
+    else
+      export CUDA_DEVICE_MAX_CONNECTIONS=1
+    fi
+    export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH} ;;
+  *)
+    echo "launch: TRAINER must be plugin or megatron-lm, got '$TRAINER'" >&2
+    exit 2 ;;
+esac

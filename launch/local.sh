@@ -11,7 +11,8 @@ if [[ -z ${NPROC_PER_NODE:-} ]]; then
   [[ ${NPROC_PER_NODE:-0} -gt 0 ]] || NPROC_PER_NODE=4
 fi
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
-cd "$REPO"
-echo "launch/local.sh: $NPROC_PER_NODE ranks, $ALGO, result $RESULT_JSON"
-exec "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC_PER_NODE" \
-  -m megatron_cp_plugin.pretrain "${PRETRAIN_ARGS[@]}"
+cd "$TRAIN_CWD"
+echo "launch/local.sh: $NPROC_PER_NODE ranks, $ALGO, $TRAINER trainer, result $RESULT_JSON"
+cmd=("$PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC_PER_NODE" "${TRAIN_CMD[@]}")
+if [[ ${DRY_RUN:-0} == 1 ]]; then printf '%q ' "${cmd[@]}"; echo; exit 0; fi
+exec "${cmd[@]}"

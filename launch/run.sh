@@ -7,8 +7,13 @@
 #   CONTAINER_MOUNTS  more --container-mounts (the checkout is always mounted at the same path)
 #   MASTER_PORT       rendezvous port on the first node (default: from the job id, so jobs sharing a node differ)
 #   SRUN_ARGS         more srun flags (e.g. --cpu-bind=none, --network=...)
+#   TRAINER, MEGATRON_LM, LAYOUT  which trainer (launch/common.sh): plugin (default) or megatron-lm
+#   DRY_RUN=1         print the srun command and exit (also outside an allocation: NNODES, NPROC_PER_NODE)
 # The job's exit code is srun's: non-zero if any rank fails (--kill-on-bad-exit ends the others).
 set -euo pipefail
+if [[ ${DRY_RUN:-0} == 1 && -z ${SLURM_JOB_ID:-} ]]; then
+  SLURM_JOB_ID=0 SLURM_JOB_NUM_NODES=${NNODES:-1} SLURM_JOB_NODELIST=node0 MASTER_ADDR=${MASTER_ADDR:-node0}
+fi
 if [[ -z ${SLURM_JOB_ID:-} ]]; then
   echo "launch/run.sh: not inside a SLURM allocation (sbatch launch/scaling.sbatch, or launch/local.sh)" >&2
   exit 2
@@ -20,7 +25,8 @@ if [[ -z ${NPROC_PER_NODE:-} ]]; then
 fi
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
-MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)   # node 0 runs global rank 0
+# node 0 runs global rank 0
+MASTER_ADDR=${MASTER_ADDR:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)}
 MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}
 
 launcher=()
@@ -35,12 +41,13 @@ gpus=()
 [[ ${SLURM_GPUS_ON_NODE:-0} -gt 0 ]] && gpus=(--gpus-per-node="$SLURM_GPUS_ON_NODE")
 
 # $SLURM_NODEID is escaped: each srun task (one per node) expands its own, as its torchrun node rank
-cmd="cd $(printf %q "$REPO") && exec $(printf %q "$PY") -m torch.distributed.run --nnodes $NNODES \
+cmd="cd $(printf %q "$TRAIN_CWD") && exec $(printf %q "$PY") -m torch.distributed.run --nnodes $NNODES \
 --nproc-per-node $NPROC_PER_NODE --node-rank \$SLURM_NODEID --master-addr $MASTER_ADDR --master-port $MASTER_PORT \
--m megatron_cp_plugin.pretrain $(printf '%q ' "${PRETRAIN_ARGS[@]}")"
+$(printf '%q ' "${TRAIN_CMD[@]}")"
 
-echo "launch/run.sh: job $SLURM_JOB_ID, $NNODES nodes x $NPROC_PER_NODE ranks, $ALGO, master $MASTER_ADDR:$MASTER_PORT"
+echo "launch/run.sh: job $SLURM_JOB_ID, $NNODES nodes x $NPROC_PER_NODE ranks, $ALGO, $TRAINER trainer, master $MASTER_ADDR:$MASTER_PORT"
 echo "launch/run.sh: result $RESULT_JSON"
 echo "launch/run.sh: $cmd"
+[[ ${DRY_RUN:-0} == 1 ]] && exit 0
 exec srun --nodes="$NNODES" --ntasks="$NNODES" --ntasks-per-node=1 --cpus-per-task="${SLURM_CPUS_ON_NODE:-1}" \
   --kill-on-bad-exit=1 "${gpus[@]}" "${launcher[@]}" "${srun_extra[@]}" bash -c "$cmd"

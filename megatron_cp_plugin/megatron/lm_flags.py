@@ -1,0 +1,116 @@
+"""The same TOML configs for both trainers: megatron-cp-pretrain flags -> Megatron-LM pretrain_gpt.py flags.
+
+    python -m megatron_cp_plugin.megatron.lm_flags --world-size 64 --config configs/gpt3-13b.toml \\
+        configs/algo/attention2d-no.toml --seq-length 65536 [--layout auto|zero1|fsdp] [-- more flags]
+
+prints the pretrain_gpt.py arguments, one per line (launch/run.sh reads them with `mapfile`). The configs'
+keys are Megatron-LM's flag names already, so most pass through by name; the exceptions are below. The
+model is the plugin trainer's (RMSNorm, RoPE, GELU MLP with biases), so both trainers train the same thing.
+
+Parallel layout (`--layout auto`): Megatron's distributed optimizer (ZeRO-1) while the bf16 weights and fp32
+gradients that every GPU keeps whole under it (6 bytes per parameter) stay under 24 GB, a third of an 80 GB
+GPU; above that (GPT-3 13B: 78 GB) Megatron-FSDP with parameters, gradients and optimizer state sharded over
+data x context parallel (`optim_grads_params`), as the Attention2D paper runs its linear layers (Sec. 3.3).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+from .megatron_lm import NO_TE_FLAGS, have_te
+
+DROPPED = {"config", "result_json", "log_json", "nproc", "compare_cp1", "help", "tokenizer_type", "vocab_size",
+           "dist_timeout", "data_path", "mock_data", "num_query_groups", "max_position_embeddings",
+           "context_parallel_size", "global_batch_size", "ffn_hidden_size", "seq_length"}
+"""Plugin-trainer flags that are not passed by name: its own (config, result_json, log_json, nproc,
+compare_cp1) or translated below."""
+
+ZERO1_LIMIT = 24e9
+"""Bytes per GPU of bf16 weights + fp32 gradients (6 B / parameter) up to which ZeRO-1 is chosen."""
+
+
+def gpt_params(a) -> float:
+    """Parameters of the plugin trainer's GPT (attention with GQA, 4h or --ffn-hidden-size MLP, embeddings)."""
+    h, layers = a.hidden_size, a.num_layers
+    groups = a.num_query_groups or a.num_attention_heads
+    kv = 2 * h * groups // a.num_attention_heads
+    ffn = a.ffn_hidden_size or 4 * h
+    per_layer = h * (h + kv) + h * h + 2 * h * ffn
+    return layers * per_layer + (a.vocab_size or 257) * h
+
+
+def layout_flags(a, layout: str) -> list[str]:
+    """Megatron-LM flags of the parallel layout ("auto": by gpt_params, see the module docstring)."""
+    if layout == "auto":
+        layout = "zero1" if 6 * gpt_params(a) / a.tensor_model_parallel_size <= ZERO1_LIMIT else "fsdp"
+    if layout == "zero1":
+        return ["--use-distributed-optimizer"]
+    return ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
+            "--use-distributed-optimizer", "--ckpt-format", "fsdp_dtensor"]
+
+
+def megatron_lm_flags(a: argparse.Namespace, parser: argparse.ArgumentParser, *, world_size: int,
+                      layout: str = "auto") -> list[str]:
+    """pretrain_gpt.py flags for parsed megatron-cp-pretrain args `a` (its `parser` gives the flag names)."""
+    out = ["--seq-length", str(a.seq_length),
+           "--max-position-embeddings", str(max(a.seq_length, a.max_position_embeddings or 0)),
+           "--position-embedding-type", "rope", "--normalization", "RMSNorm",
+           # ByteLevel ids 0..256 (megatron-cp-preprocess) or mock data; NullTokenizer adds its EOD id on top
+           "--tokenizer-type", "NullTokenizer", "--vocab-size", str(a.vocab_size or 257),
+           # Megatron-LM's collectives also cover checkpoint saves: never below its default of 10 minutes
+           "--distributed-timeout-minutes", str(max(10, math.ceil(a.dist_timeout / 60))),
+           "--calculate-per-token-loss", "--no-create-attention-mask-in-dataloader"]
+    if a.num_query_groups:
+        out += ["--group-query-attention", "--num-query-groups", str(a.num_query_groups)]
+    out += ["--ffn-hidden-size", str(a.ffn_hidden_size or 4 * a.hidden_size)]
+    tp = a.tensor_model_parallel_size
+    cp = a.context_parallel_size or world_size // tp            # the plugin trainer's default: all ranks
+    if world_size % (tp * cp):
+        raise ValueError(f"--context-parallel-size {cp} x --tensor-model-parallel-size {tp} does not divide "
+                         f"--world-size {world_size}")
+    out += ["--context-parallel-size", str(cp)]
+    dp = world_size // (tp * cp)
+    out += ["--global-batch-size", str(a.global_batch_size or a.micro_batch_size * dp)]
+    if a.data_path:
+        out += ["--data-path", *a.data_path, "--split", "98,2,0"]
+    else:
+        out += ["--mock-data"]
+    layout_set = layout_flags(a, layout)
+    for act in parser._actions:
+        dest = act.dest
+        if dest in DROPPED or not act.option_strings:
+            continue
+        val = getattr(a, dest, None)
+        flag = next(o for o in act.option_strings if o.startswith("--"))
+        if isinstance(act, argparse._StoreTrueAction):
+            if val and flag not in layout_set:
+                out.append(flag)
+        elif val is not None and flag not in layout_set:
+            out += [flag, *(map(str, val) if isinstance(val, (list, tuple)) else [str(val)])]
+    out += layout_set
+    if not have_te():
+        out += list(NO_TE_FLAGS)
+    return out
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    pre = argparse.ArgumentParser(prog="python -m megatron_cp_plugin.megatron.lm_flags", add_help=False)
+    pre.add_argument("--world-size", type=int, required=True)
+    pre.add_argument("--layout", choices=("auto", "zero1", "fsdp"), default="auto")
+    ns, rest = pre.parse_known_args(argv)
+    from ..pretrain import build_parser, parse_args  # noqa: PLC0415 (the plugin trainer's flags and --config)
+
+    try:
+        args = parse_args(rest)
+        flags = megatron_lm_flags(args, build_parser(), world_size=ns.world_size, layout=ns.layout)
+    except ValueError as e:
+        print(f"lm_flags: error: {e}", file=sys.stderr)
+        return 2
+    print("\n".join(flags))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,199 @@
+"""The Megatron-LM route: the hooks our patches call, the shipped patches, the parity harness's logic, the config
+-> pretrain_gpt.py flags, the launch scripts' dry run; with MEGATRON_LM=<checkout>, the patch applied to a copy
+of it, its --help and every config's flags through its own parser, and (with GPUs) the harness itself."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+from argparse import Namespace
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_cp_plugin.megatron import lm
+from megatron_cp_plugin.megatron.lm_check import LOSS_RE, Run, build_parser, plan_runs, report
+from megatron_cp_plugin.megatron.lm_flags import main as flags_main
+from megatron_cp_plugin.megatron.megatron_lm import patches, release_of
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = sorted(p.stem for p in (REPO / "configs").glob("gpt3-*.toml") if "stage" not in p.stem)
+MEGATRON_LM = os.environ.get("MEGATRON_LM")
+needs_checkout = pytest.mark.skipif(not MEGATRON_LM, reason="MEGATRON_LM is not set: the real Megatron-LM checks "
+                                    "(patch, --help, flags through its parser, the GPU harness) did not run")
+if not MEGATRON_LM:
+    warnings.warn("MEGATRON_LM is not set: tests against a real Megatron-LM checkout are skipped", stacklevel=1)
+
+
+def _args(**kw):
+    base = dict(context_parallel_algo="auto", context_parallel_size=4, seq_length=4096, num_attention_heads=16,
+                num_query_groups=4, group_query_attention=True, hidden_size=1024, micro_batch_size=1, bf16=True,
+                tensor_model_parallel_size=1, cp_grid=None, cp_gpus_per_node=None, cp_hardware="h200-nvlink",
+                spec=None, multi_latent_attention=False, experimental_attention_variant=None,
+                heterogeneous_layers_config_path=None, mtp_num_layers=None, hybrid_context_parallel=False,
+                attention_backend=None)
+    base.update(kw)
+    return Namespace(**base)
+
+
+def test_resolve_chooses_once_and_writes_the_choice_back(capsys):
+    args = _args()
+    cfg = lm.resolve(args)
+    assert cfg.algo in ("ring", "burst", "attention2d-no", "attention2d-o")
+    assert args.context_parallel_algo == cfg.algo and args.context_parallel_algo_requested == "auto"
+    assert "--context-parallel-algo auto ->" in capsys.readouterr().out
+    assert lm.resolve(args).algo == cfg.algo and capsys.readouterr().out == ""      # no cost model the 2nd time
+
+
+def test_flags_that_bypass_our_attention_are_refused_by_name():
+    with pytest.raises(ValueError, match="--mtp-num-layers.*--multi-latent-attention|--multi-latent-attention.*--mtp"):
+        lm.resolve(_args(context_parallel_algo="ring", mtp_num_layers=1, multi_latent_attention=True))
+    with pytest.raises(ValueError, match="--attention-backend local"):
+        lm.resolve(_args(context_parallel_algo="ring", attention_backend=Namespace(name="local")))
+
+
+def test_packed_batches_are_refused_until_supported():
+    with pytest.raises(ValueError, match="packed"):
+        lm.shard_batch({"tokens": torch.zeros(1, 8), "cu_seqlens": torch.tensor([0, 8])}, _args(), cp_group=None)
+
+
+def test_a_patch_per_verified_release_ships_with_the_package():
+    have = patches()
+    assert (0, 16, 1) in have and (0, 19, 0) in have
+    for p in have.values():
+        text = p.read_text()
+        assert "megatron_cp_plugin.megatron import lm as cp_plugin" in text and "cp_plugin.shard_batch" in text
+
+
+def test_release_of_reads_package_info_and_names_a_non_checkout(tmp_path):
+    (tmp_path / "megatron" / "core").mkdir(parents=True)
+    (tmp_path / "megatron" / "core" / "package_info.py").write_text("MAJOR = 0\nMINOR = 19\nPATCH = 1\n")
+    assert release_of(tmp_path) == (0, 19, 1)
+    with pytest.raises(ValueError, match="MEGATRON_LM_DIR .*not a Megatron-LM checkout"):
+        release_of(tmp_path / "megatron")
+
+
+def test_harness_parses_megatron_log_lines_and_fails_past_the_tolerance():
+    line = (" [2026-11-22 18:13:53.161072] iteration        3/      10 | consumed samples:           12 | "
+            "elapsed time per iteration (ms): 46.7 | learning rate: 1.0E-03 | lm loss: 5.311743E+00 | loss scale: 1.0")
+    assert LOSS_RE.findall(line) == [("3", "5.311743E+00")]
+    ns = build_parser().parse_args(["x", "--cp", "2", "4", "--pp-run", "ring", "--fsdp-run", "burst"])
+    runs, notes = plan_runs(ns, 2)
+    names = [r.name for r in runs]
+    assert "ring CP=2" in names and not any("CP=4" in n for n in names) and not any("PP" in n for n in names)
+    assert any("CP=4: not run" in n for n in notes)
+    for r in runs:
+        r.rc, r.losses = 0, {i: 5.0 - 0.1 * i for i in range(1, 4)}
+    text, ok = report(runs, 3, 1e-5)
+    assert ok and text.count("PASS") == len(runs) - 1
+    runs[2].losses[2] += 1e-3                                      # one run off by 1e-3 at one step
+    text, ok = report(runs, 3, 1e-5)
+    assert not ok and f"{runs[2].name}: FAIL" in text
+    runs[2].losses[2] -= 1e-3
+    runs[1].rc = 1                                                 # a crashed run fails too
+    assert not report(runs, 3, 1e-5)[1]
+    assert report([Run("cp1", 1, rc=0, losses={1: 5.0}), Run("ring CP=2", 2, rc=0, losses={1: 5.0})], 2, 1e-5)[1] is False
+
+
+def _flags(capsys, *argv):
+    assert flags_main(list(argv)) == 0
+    return capsys.readouterr().out.split("\n")
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_every_config_becomes_pretrain_gpt_flags(capsys, config):
+    flags = _flags(capsys, "--world-size", "16", "--config", f"configs/{config}.toml", "configs/algo/burst.toml")
+    opts = [f for f in flags if f.startswith("--")]
+    assert len(opts) == len(set(opts)), "a flag given twice"
+    i = flags.index
+    assert flags[i("--context-parallel-algo") + 1] == "burst" and flags[i("--context-parallel-size") + 1] == "16"
+    big = config in ("gpt3-13b", "gpt3-66b", "gpt3-175b")
+    assert ("--use-megatron-fsdp" in flags) == big and "--use-distributed-optimizer" in flags
+    assert "--result-json" not in flags and "--config" not in flags
+
+
+def test_flags_errors_name_the_flag(capsys):
+    assert flags_main(["--world-size", "6", "--config", "configs/tiny.toml", "--context-parallel-size", "4"]) == 2
+    assert "--context-parallel-size 4" in capsys.readouterr().err
+
+
+def _dry_run(script, **env):
+    e = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}
+    e.update(DRY_RUN="1", PYTHON=sys.executable, RESULT_DIR=str(env.pop("result_dir")), **env)
+    return subprocess.run(["bash", f"launch/{script}"], cwd=REPO, env=e, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_slurm_dry_run_drives_pretrain_gpt_for_every_config(tmp_path, config):
+    fake = tmp_path / "Megatron-LM"
+    fake.mkdir()
+    (fake / "pretrain_gpt.py").write_text("")
+    r = _dry_run("run.sh", TRAINER="megatron-lm", MEGATRON_LM=str(fake), CONFIG=f"configs/{config}.toml",
+                 ALGO="attention2d-no", NNODES="2", NPROC_PER_NODE="4", result_dir=tmp_path)
+    assert r.returncode == 0, r.stderr
+    cmd = r.stdout.strip().splitlines()[-1]
+    assert f"cd {fake} &&" in cmd and "pretrain_gpt.py" in cmd and "--nnodes 2 --nproc-per-node 4" in cmd
+    assert "--context-parallel-algo attention2d-no" in cmd and "--context-parallel-size 8" in cmd
+
+
+def test_dry_run_of_the_plugin_trainer(tmp_path):
+    r = _dry_run("run.sh", CONFIG="configs/gpt3-13b.toml", NNODES="2", NPROC_PER_NODE="4", result_dir=tmp_path)
+    assert r.returncode == 0 and "-m megatron_cp_plugin.pretrain --config configs/gpt3-13b.toml" in r.stdout
+
+
+def test_dry_run_refuses_a_missing_checkout(tmp_path):
+    r = _dry_run("local.sh", TRAINER="megatron-lm", MEGATRON_LM=str(tmp_path), result_dir=tmp_path)
+    assert r.returncode == 2 and "MEGATRON_LM" in r.stderr
+
+
+# ------------------------------------------------------------------ with a real checkout (MEGATRON_LM=...)
+@pytest.fixture(scope="module")
+def patched(tmp_path_factory):
+    from megatron_cp_plugin.megatron.megatron_lm import apply_patch, copy_checkout  # noqa: PLC0415
+
+    tree = copy_checkout(MEGATRON_LM, tmp_path_factory.mktemp("mlm") / "Megatron-LM")
+    apply_patch(tree)
+    return tree
+
+
+def _in_checkout(tree, code):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), str(REPO)]))
+    return subprocess.run([sys.executable, "-W", "ignore", "-c", code], cwd=tree, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+@needs_checkout
+def test_patched_pretrain_gpt_lists_our_flags_in_help(patched):
+    r = subprocess.run([sys.executable, "-W", "ignore", "pretrain_gpt.py", "--help"], cwd=patched, timeout=600,
+                       capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "--context-parallel-algo" in r.stdout and "--cp-grid" in r.stdout
+
+
+@needs_checkout
+def test_every_config_parses_with_megatron_lms_own_parser(patched):
+    code = (
+        "import sys, subprocess\n"
+        "from megatron.training.arguments import parse_args\n"
+        "from megatron_cp_plugin.megatron import lm\n"
+        f"for c in {CONFIGS!r}:\n"
+        "    f = subprocess.run([sys.executable, '-W', 'ignore', '-m', 'megatron_cp_plugin.megatron.lm_flags',\n"
+        "                        '--world-size', '8', '--config', f'configs/{c}.toml'], capture_output=True,\n"
+        f"                       text=True, cwd={str(REPO)!r}, check=True).stdout.split()\n"
+        "    sys.argv = ['pretrain_gpt.py', *f]\n"
+        "    a = parse_args(lm.add_args)\n"
+        "    print(c, a.context_parallel_algo, a.context_parallel_size)\n")
+    r = _in_checkout(patched, code)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert len(r.stdout.strip().splitlines()) == len(CONFIGS)
+
+
+@needs_checkout
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="the parity harness needs >= 2 GPUs "
+                    "(Megatron-LM's training loop requires CUDA)")
+def test_harness_on_gpus(tmp_path):
+    from megatron_cp_plugin.megatron.lm_check import main  # noqa: PLC0415
+
+    assert main([MEGATRON_LM, "--cp", "2", "--workdir", str(tmp_path), "--out", str(tmp_path / "report.md")]) == 0
