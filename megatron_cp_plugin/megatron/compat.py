@@ -1,0 +1,91 @@
+"""Work-arounds for megatron-core 0.16.1 behaviour that the trainer's checkpoints depend on, in one place.
+
+- Megatron-FSDP's optimizer state (`DistributedOptimizer.sharded_state_dict` with sharding type
+  "fsdp_dtensor") holds Adam's moments only for the parameters that have elements on this rank, so ranks
+  hold different sets of DTensors. `preprocess_state_dict_for_uneven_dtensor`, which every fsdp_dtensor
+  save and load must run, makes one collective per DTensor in the order it meets them: with different sets
+  the ranks' collectives pair up wrongly and the job hangs (as soon as a small parameter, e.g. a layer norm,
+  lies wholly inside one rank's shard). `even_fsdp_optimizer_state` gives every rank the same parameters in
+  the same order (zero-size local shards where a rank has none, which write and read nothing), and
+  `drop_fsdp_padding` removes those entries again before the state reaches the optimizer.
+- Without Apex or TransformerEngine, the distributed optimizer wraps torch's Adam, and its `state_dict()`
+  (which `sharded_state_dict(..., is_loading=True)` calls first) asserts that every parameter's state has a
+  "step": a fresh optimizer has no state at all, so a checkpoint could only be loaded after a step.
+  `init_adam_state_for_loading` gives it zero state with step 0, which the load then overwrites.
+  Except the step itself: `load_state_dict` restores it from the saved param groups and then, restoring the
+  "dp_reshardable" buffers, copies over it the step the loading state dict was built with (kept there as a
+  non-persistent object), i.e. 0. `restore_adam_steps` puts the saved step back (TE's and Apex's Adam keep no
+  per-parameter step, so Megatron-LM's usual GPU set-up does not meet this).
+- `DistributedOptimizer.load_state_dict` copies fp32 main parameters into views of leaf parameters that
+  require grad; without `torch.no_grad()` autograd refuses (fp32 training: the CPU path). The trainer loads
+  under no_grad.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def _fsdp_optimizers(optimizer):
+    """The DistributedOptimizers inside a (Chained)Optimizer."""
+    return getattr(optimizer, "chained_optimizers", None) or [optimizer]
+
+
+def even_fsdp_optimizer_state(optimizer, optim_sd: dict) -> set:
+    """Pad optim_sd["state"] (fsdp_dtensor layout: {param name: {"step", "exp_avg", ...}}) in place so that
+    every rank has every parameter, sorted by name; returns the names that were padded here."""
+    state = optim_sd["state"]
+    params = {}
+    for opt in _fsdp_optimizers(optimizer):
+        for group in opt.optimizer.param_groups:
+            for p in group["params"]:
+                params[opt._param_name(p)] = p
+    moment_keys = sorted({k for v in state.values() for k, x in v.items() if isinstance(x, torch.Tensor)
+                          and x.dim() > 0}) or ["exp_avg", "exp_avg_sq"]
+    padded = set()
+    for name, p in params.items():
+        if name not in state:
+            # zeros_like keeps the DTensor's mesh, placements and global shape, and its (empty) local shard
+            state[name] = {k: torch.zeros_like(p) for k in moment_keys}
+            padded.add(name)
+    optim_sd["state"] = {k: state[k] for k in sorted(state)}
+    return padded
+
+
+def drop_fsdp_padding(optim_sd: dict, padded: set) -> None:
+    """Remove the entries even_fsdp_optimizer_state added (their parameters had no state on this rank)."""
+    for name in padded:
+        optim_sd["state"].pop(name, None)
+
+
+def init_adam_state_for_loading(optimizer) -> None:
+    """Give the distributed optimizer's torch Adam zero moments and step 0 where it has no state yet (what
+    megatron-core's own init_state_fn does, plus the step its state_dict() needs)."""
+    from megatron.core.optimizer import distrib_optimizer as dopt
+
+    if dopt.HAVE_APEX_OR_TE:
+        return
+    for opt in _fsdp_optimizers(optimizer):
+        if not isinstance(opt, dopt.DistributedOptimizer) or opt.ddp_config.use_megatron_fsdp:
+            continue                                  # Megatron-FSDP initialises its own (fsdp_dtensor)
+        inner = opt.optimizer
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if len(inner.state[p]) == 0:
+                    inner.state[p].update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p.data),
+                                          exp_avg_sq=torch.zeros_like(p.data))
+
+
+def restore_adam_steps(optimizer) -> None:
+    """After DistributedOptimizer.load_state_dict with torch's Adam: every parameter's step := its group's saved
+    step (the param groups keep the saved value under "step")."""
+    from megatron.core.optimizer import distrib_optimizer as dopt
+
+    if dopt.HAVE_APEX_OR_TE:
+        return
+    for opt in _fsdp_optimizers(optimizer):
+        if not isinstance(opt, dopt.DistributedOptimizer) or opt.ddp_config.use_megatron_fsdp:
+            continue
+        for group in opt.optimizer.param_groups:
+            if "step" in group:
+                for p in group["params"]:
+                    opt.optimizer.state[p]["step"] = torch.tensor(float(group["step"]))

@@ -1,0 +1,181 @@
+"""Saving and resuming a run: model, optimizer (Adam moments and fp32 main parameters), LR schedule,
+iteration and random-number generators, so that a resumed run repeats the uninterrupted one.
+
+Layout: `<save>/iter_<7 digits>/` per checkpoint, `<save>/latest_checkpointed_iteration.txt` naming the last
+one, and `iter_*/megatron_cp_plugin.json` saying how it was written (checked before loading). Two formats, as
+Megatron-LM writes them:
+- DDP (with or without the distributed optimizer): megatron-core's dist_checkpointing ("torch_dist").
+  The distributed optimizer's state is saved as "dp_reshardable" (each rank's flat buffer shards, no
+  communication); the format megatron-core picks when given no metadata, "fully_sharded_model_space",
+  describes shards by `ShardedTensor.flattened_range`, which 0.16.1's dist_checkpointing no longer accepts.
+- Megatron-FSDP: torch.distributed.checkpoint of DTensors ("fsdp_dtensor"), the only format its optimizer
+  state supports.
+Loading is strict: every model tensor must be in the checkpoint and nothing else, and the optimizer's state
+is built with `is_loading=True` so that it is restored, not re-initialised.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+TRACKER = "latest_checkpointed_iteration.txt"
+INFO = "megatron_cp_plugin.json"
+MODEL_PREFIX = "model."        # dist_checkpointing keys "model.<name>" (what megatron-cp-generate loads)
+
+
+def _layout(trainer) -> dict:
+    """What a checkpoint must match to be loaded into this run."""
+    return {"format": "fsdp_dtensor" if trainer.fsdp else "torch_dist",
+            "distributed_optimizer": trainer.distributed_optimizer, "fsdp": trainer.fsdp}
+
+
+def _describe(layout: dict) -> str:
+    if layout.get("fsdp"):
+        return f"--use-megatron-fsdp --data-parallel-sharding-strategy {layout['fsdp']}"
+    return "--use-distributed-optimizer" if layout.get("distributed_optimizer") else "Megatron's DDP optimizer"
+
+
+def rng_state(gpu: bool) -> dict:
+    """Every generator a step may draw from: Python's, NumPy's, torch's CPU one and, on GPUs, CUDA's and
+    Megatron's CUDA RNG tracker (its tensor-parallel streams)."""
+    state = {"random": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if gpu:
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker
+        state["cuda"] = torch.cuda.get_rng_state()
+        state["tracker"] = get_cuda_rng_tracker().get_states()
+    return state
+
+
+def set_rng_state(state: dict, gpu: bool) -> None:
+    random.setstate(state["random"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if gpu:
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker
+        torch.cuda.set_rng_state(state["cuda"])
+        get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _metadata(trainer) -> dict:
+    """The sharded_state_dict metadata Megatron-LM passes for torch_dist checkpoints."""
+    md = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True, "dp_cp_group": trainer.dp_cp_group}
+    if trainer.distributed_optimizer:
+        md["distrib_optim_sharding_type"] = "dp_reshardable"
+    return md
+
+
+def _torch_dist_state(trainer, loading: bool) -> dict:
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    md = _metadata(trainer)
+    model = trainer.gpt.sharded_state_dict(prefix=MODEL_PREFIX, metadata=md)
+    # The generators are the same on every data-parallel x CP rank (same seed, same draws), so one copy per
+    # tensor-parallel rank is saved, as Megatron-LM does; every rank of that TP rank reads it back.
+    rng = ShardedObject("rng_state", rng_state(trainer.gpu), (trainer.tp_size,), (trainer.tp_rank,),
+                        replica_id=trainer.dp_cp_group.rank())
+    return {"model": model, "optimizer": trainer.optimizer.sharded_state_dict(model, is_loading=loading, metadata=md),
+            "scheduler": trainer.scheduler.state_dict(), "iteration": trainer.iteration, "rng_state": rng,
+            "args_seq_length": trainer.args.seq_length}
+
+
+def _fsdp_state(trainer, loading: bool) -> tuple[dict, set]:
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import (
+        preprocess_state_dict_for_uneven_dtensor,
+    )
+
+    from ..megatron.compat import even_fsdp_optimizer_state
+
+    # MegatronFSDP's own state dict ("module.<name>"): DTensors of the fp32 main weights' shards
+    sd = {"model": trainer.model.module.state_dict()}
+    md = {"distrib_optim_sharding_type": "fsdp_dtensor", "dp_cp_group": trainer.dp_cp_group}
+    sd["optimizer"] = trainer.optimizer.sharded_state_dict(sd, is_loading=loading, metadata=md)
+    padded = even_fsdp_optimizer_state(trainer.optimizer, sd["optimizer"])
+    sd.update(scheduler=trainer.scheduler.state_dict(), iteration=trainer.iteration,
+              rng_state={f"tp{trainer.tp_rank}": rng_state(trainer.gpu)}, args_seq_length=trainer.args.seq_length)
+    preprocess_state_dict_for_uneven_dtensor(sd)       # shard offsets of unevenly split DTensors
+    return sd, padded
+
+
+def save_checkpoint(trainer) -> str:
+    """Write iteration `trainer.iteration`'s checkpoint under --save; returns its directory."""
+    from megatron.core import dist_checkpointing
+
+    args = trainer.args
+    path = os.path.join(args.save, f"iter_{trainer.iteration:07d}")
+    if dist.get_rank() == 0:
+        os.makedirs(path, exist_ok=True)
+    dist.barrier()
+    if trainer.fsdp:
+        import torch.distributed.checkpoint as dcp
+        sd, _ = _fsdp_state(trainer, loading=False)
+        dcp.save(sd, checkpoint_id=path)
+    else:
+        md = {k: v for k, v in _metadata(trainer).items() if k != "dp_cp_group"}
+        dist_checkpointing.save(_torch_dist_state(trainer, loading=False), path, content_metadata=md)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        with open(os.path.join(path, INFO), "w") as f:
+            json.dump({**_layout(trainer), "iteration": trainer.iteration}, f)
+        with open(os.path.join(args.save, TRACKER), "w") as f:
+            f.write(str(trainer.iteration))
+    return path
+
+
+def checkpoint_dir(load: str) -> str:
+    """The directory --load's tracker file names; ValueError (no collective yet) when there is none."""
+    tracker = os.path.join(load, TRACKER)
+    if not os.path.exists(tracker):
+        raise ValueError(f"--load {load}: no {TRACKER} there")
+    with open(tracker) as f:
+        it = int(f.read().strip())
+    path = os.path.join(load, f"iter_{it:07d}")
+    if not os.path.isdir(path):
+        raise ValueError(f"--load {load}: {TRACKER} names iteration {it}, but {path} does not exist")
+    return path
+
+
+def load_checkpoint(trainer) -> None:
+    """Restore --load's latest checkpoint into trainer (model, optimizer, schedule, iteration, generators)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    path = checkpoint_dir(trainer.args.load)
+    info_path = os.path.join(path, INFO)
+    if os.path.exists(info_path):
+        with open(info_path) as f:
+            saved = json.load(f)
+    else:                                              # written before the info file existed: DDP, torch_dist
+        saved = {"format": "torch_dist", "distributed_optimizer": trainer.distributed_optimizer, "fsdp": None}
+    now = _layout(trainer)
+    if {k: saved.get(k) for k in now} != now:
+        raise ValueError(f"--load {trainer.args.load}: the checkpoint was written with {_describe(saved)}; "
+                         f"this run uses {_describe(now)} (resume with the same flags)")
+    if trainer.fsdp:
+        import torch.distributed.checkpoint as dcp
+
+        from ..megatron.compat import drop_fsdp_padding
+        loaded, padded = _fsdp_state(trainer, loading=True)
+        dcp.load(loaded, checkpoint_id=path)           # strict: every requested key must be in the checkpoint
+        drop_fsdp_padding(loaded["optimizer"], padded)
+        trainer.model.module.load_state_dict(loaded["model"], strict=True)   # its hook copies main -> model
+        rng = loaded["rng_state"][f"tp{trainer.tp_rank}"]
+    else:
+        from ..megatron.compat import init_adam_state_for_loading
+        init_adam_state_for_loading(trainer.optimizer)
+        loaded = dist_checkpointing.load(_torch_dist_state(trainer, loading=True), path,
+                                         strict=StrictHandling.RAISE_ALL)
+        model = {k[len(MODEL_PREFIX):]: v for k, v in loaded["model"].items()}
+        trainer.gpt.load_state_dict(model, strict=True)
+        rng = loaded["rng_state"]
+    from ..megatron.compat import restore_adam_steps
+    with torch.no_grad():                              # see megatron/compat.py
+        trainer.optimizer.load_state_dict(loaded["optimizer"])
+    restore_adam_steps(trainer.optimizer)
+    trainer.scheduler.load_state_dict(loaded["scheduler"])
+    trainer.iteration = int(loaded["iteration"])
+    set_rng_state(rng, trainer.gpu)

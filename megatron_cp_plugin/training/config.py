@@ -1,0 +1,235 @@
+"""megatron-cp-pretrain's flags: the parser (shared with megatron-cp-generate), TOML --config files, the
+TransformerConfig they describe, and the start-up checks every rank makes before its first collective."""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from ..megatron.args import add_cp_args, config_from_args
+
+SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+"""Megatron-LM's --data-parallel-sharding-strategy values: nothing, optimizer state (ZeRO-1), + gradients
+(ZeRO-2), + parameters (ZeRO-3), sharded over the data-parallel x context-parallel group."""
+FSDP_DEFAULT_STRATEGY = "optim_grads_params"
+NOT_IN_CONFIG_FILES = ("config", "help", "nproc", "compare-cp1")
+
+
+def build_parser(description: str | None = None) -> argparse.ArgumentParser:
+    """Megatron's model and run flags, and the plugin's (shared with megatron-cp-generate)."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = p.add_argument
+    a("--num-layers", type=int, default=2)
+    a("--hidden-size", type=int, default=64)
+    a("--num-attention-heads", type=int, default=8)
+    a("--num-query-groups", type=int, default=None, help="GQA groups (default: MHA)")
+    a("--ffn-hidden-size", type=int, default=None, help="default 4 x hidden")
+    a("--seq-length", type=int, default=256)
+    a("--max-position-embeddings", type=int, default=None)
+    a("--micro-batch-size", type=int, default=1)
+    a("--global-batch-size", type=int, default=None, help="default micro x data-parallel size")
+    a("--lr", type=float, default=1e-3)
+    a("--min-lr", type=float, default=1e-4)
+    a("--lr-decay-style", choices=("constant", "linear", "cosine"), default="cosine")
+    a("--lr-warmup-iters", type=int, default=0)
+    a("--weight-decay", type=float, default=0.01)
+    a("--clip-grad", type=float, default=1.0)
+    a("--train-iters", type=int, default=20)
+    a("--exit-interval", type=int, default=None, help="stop (after saving) at the first iteration divisible by N")
+    a("--context-parallel-size", type=int, default=None, help="default: all ranks / TP")
+    a("--tensor-model-parallel-size", type=int, default=1)
+    a("--bf16", action="store_true")
+    a("--use-distributed-optimizer", action="store_true",
+      help="Megatron's distributed optimizer: optimizer state sharded over data-parallel x CP (ZeRO-1)")
+    a("--use-megatron-fsdp", action="store_true",
+      help="Megatron-FSDP over data-parallel x CP: shards what --data-parallel-sharding-strategy names")
+    a("--data-parallel-sharding-strategy", choices=SHARDING_STRATEGIES, default=None,
+      help=f"with --use-megatron-fsdp (default {FSDP_DEFAULT_STRATEGY}): optim = ZeRO-1, optim_grads = ZeRO-2, "
+           "optim_grads_params = ZeRO-3; no_shard is Megatron's DDP (run without --use-megatron-fsdp)")
+    # Megatron-LM's recompute flags, with its meanings: --recompute-activations is the selective kind (core
+    # attention only); layer-wise ("full") checkpointing, what Attention2D's 13B runs needed, is
+    # --recompute-granularity full --recompute-method uniform --recompute-num-layers 1.
+    a("--recompute-activations", action="store_true", help="selective recompute (= --recompute-granularity "
+      "selective), as in Megatron-LM")
+    a("--recompute-granularity", choices=("full", "selective"), default=None)
+    a("--recompute-method", choices=("uniform", "block"), default=None, help="for full recompute (default uniform)")
+    a("--recompute-num-layers", type=int, default=None, help="for full recompute (default 1)")
+    a("--attention-dropout", type=float, default=0.0)
+    a("--hidden-dropout", type=float, default=0.0)
+    a("--save", default=None)
+    a("--load", default=None)
+    a("--save-interval", type=int, default=None)
+    a("--data-path", nargs="+", default=None, help="prefixes of .bin/.idx files (megatron-cp-preprocess)")
+    a("--mock-data", action="store_true", help="random tokens (the default without --data-path)")
+    a("--tokenizer-type", default="ByteLevel", choices=("ByteLevel",))
+    a("--vocab-size", type=int, default=None, help="default: the tokenizer's (257 for ByteLevel)")
+    a("--log-interval", type=int, default=1)
+    a("--eval-interval", type=int, default=None)
+    a("--eval-iters", type=int, default=2)
+    a("--seed", type=int, default=1234)
+    a("--dist-timeout", type=float, default=60.0, help="seconds a collective waits for a peer before failing")
+    a("--nproc", type=int, default=None, help="spawn this many local processes (instead of torchrun)")
+    a("--log-json", default=None, help="append one JSON line per logged iteration to this file")
+    a("--compare-cp1", action="store_true", help="first train the same model with CP = 1 (one process), then "
+      "this run, and print both loss curves side by side")
+    add_cp_args(p)
+    p.set_defaults(context_parallel_algo="attention2d")
+    return p
+
+
+def add_run_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """--config and --result-json: what megatron-cp-pretrain adds to build_parser's flags."""
+    p.add_argument("--config", nargs="+", default=None, metavar="FILE",
+                   help="TOML files of flag defaults (keys = flag names without --); later files override earlier "
+                        "ones, flags on the command line override the files")
+    p.add_argument("--result-json", default=None, metavar="PATH",
+                   help="rank 0 writes the run's settings, per-iteration losses and step times, median step time, "
+                        "tokens/s and exit status here (also when the run fails)")
+    return p
+
+
+def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
+    """megatron-cp-pretrain's flags: build_parser's, --config and --result-json."""
+    return parse_with_configs(add_run_args(build_parser(description)), argv)
+
+
+def load_config_files(parser: argparse.ArgumentParser, files) -> dict:
+    """Merge TOML config files (later ones win) into {dest: value}, checked against the parser's flags.
+
+    Keys are flag names without the dashes (`num-layers = 24`, `bf16 = true`); values are converted with the
+    flag's type and checked against its choices, so a bad file fails here, naming the key and the file."""
+    try:
+        import tomllib
+    except ImportError:                                # Python 3.10: the same parser as a package
+        try:
+            import tomli as tomllib
+        except ImportError:
+            parser.error("--config needs Python >= 3.11 (tomllib) or the tomli package")
+
+    flags = {opt[2:]: act for act in parser._actions for opt in act.option_strings if opt.startswith("--")}
+    merged = {}
+    for path in files:
+        try:
+            with open(path, "rb") as f:
+                table = tomllib.load(f)
+        except OSError as e:
+            parser.error(f"--config {path}: {e.strerror}")
+        except tomllib.TOMLDecodeError as e:
+            parser.error(f"--config {path}: not valid TOML: {e}")
+        for key, value in table.items():
+            if isinstance(value, dict):
+                parser.error(f"--config {path}: [{key}]: tables are not supported, keys are flat flag names")
+            act = flags.get(key)
+            if act is None or key in NOT_IN_CONFIG_FILES:
+                hint = f" (flag names use dashes: {key.replace('_', '-')!r})" if "_" in key else ""
+                parser.error(f"--config {path}: unknown key {key!r}: not a megatron-cp-pretrain flag that a config "
+                             f"file can set{hint}")
+            merged[act.dest] = _config_value(parser, path, key, act, value)
+    return merged
+
+
+def _config_value(parser, path, key, act, value):
+    """One config value as the flag would have parsed it from the command line."""
+    where = f"--config {path}: {key} = {value!r}"
+    if act.nargs == 0:                                       # store_true / store_false flags
+        if not isinstance(value, bool):
+            parser.error(f"{where}: must be true or false")
+        return value
+    if isinstance(value, bool):
+        parser.error(f"{where}: this flag takes a value, not true/false")
+    if act.nargs in ("+", "*"):
+        items = value if isinstance(value, list) else [value]
+    elif isinstance(value, list):
+        parser.error(f"{where}: this flag takes one value, not a list")
+    else:
+        items = [value]
+    out = []
+    for item in items:
+        try:
+            item = act.type(str(item)) if act.type is not None else str(item)
+        except (TypeError, ValueError):
+            parser.error(f"{where}: not a valid {getattr(act.type, '__name__', 'value')}")
+        if act.choices is not None and item not in act.choices:
+            parser.error(f"{where}: must be one of {', '.join(map(str, act.choices))}")
+        out.append(item)
+    return out if act.nargs in ("+", "*") else out[0]
+
+
+def parse_with_configs(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    """Parse argv where --config files supply the defaults: file < later file < command line."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", nargs="+", default=None)
+    known, _ = pre.parse_known_args(argv)
+    if known.config:
+        parser.set_defaults(**load_config_files(parser, known.config))
+    return parser.parse_args(argv)
+
+
+def transformer_config(args, gpu: bool):
+    """The TransformerConfig of the flags (RMSNorm, RoPE model; per-token loss for exact CP reduction)."""
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups, ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
+        attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        context_parallel_size=args.context_parallel_size, normalization="RMSNorm", bf16=args.bf16,
+        params_dtype=torch.bfloat16 if args.bf16 else torch.float32, use_cpu_initialization=not gpu,
+        calculate_per_token_loss=True, **recompute_kwargs(args))
+
+
+def recompute_kwargs(args) -> dict:
+    """TransformerConfig's recompute fields from Megatron-LM's flags (same defaults and precedence)."""
+    granularity = getattr(args, "recompute_granularity", None)
+    if getattr(args, "recompute_activations", False):
+        granularity = "selective"                     # Megatron-LM: --recompute-activations wins
+    if granularity is None:
+        return {}
+    if granularity == "selective":
+        return {"recompute_granularity": "selective"}
+    return {"recompute_granularity": "full", "recompute_method": getattr(args, "recompute_method", None) or "uniform",
+            "recompute_num_layers": getattr(args, "recompute_num_layers", None) or 1}
+
+
+def sharding_strategy(args) -> str | None:
+    """The Megatron-FSDP strategy of a run, None without --use-megatron-fsdp."""
+    if not getattr(args, "use_megatron_fsdp", False):
+        return None
+    return getattr(args, "data_parallel_sharding_strategy", None) or FSDP_DEFAULT_STRATEGY
+
+
+def validate_args(args, world: int):
+    """Start-up checks, identical on every rank and before any collective; fills in the derived sizes
+    (context_parallel_size, data_parallel_size, global_batch_size) and returns the plugin's CPConfig."""
+    tp = args.tensor_model_parallel_size
+    if world % tp:
+        raise ValueError(f"--tensor-model-parallel-size {tp} does not divide the {world} ranks")
+    if args.context_parallel_size is None:
+        args.context_parallel_size = world // tp
+    cp = args.context_parallel_size
+    if world % (tp * cp):
+        raise ValueError(f"--context-parallel-size {cp} x --tensor-model-parallel-size {tp} does not divide the "
+                         f"{world} ranks")
+    args.data_parallel_size = world // (tp * cp)
+    args.global_batch_size = args.global_batch_size or args.micro_batch_size * args.data_parallel_size
+    if args.global_batch_size % (args.micro_batch_size * args.data_parallel_size):
+        raise ValueError(f"--global-batch-size {args.global_batch_size} must be a multiple of --micro-batch-size x "
+                         f"data-parallel size = {args.micro_batch_size * args.data_parallel_size}")
+    if args.num_attention_heads % (args.num_query_groups or args.num_attention_heads):
+        raise ValueError("--num-attention-heads must be divisible by --num-query-groups")
+    if args.max_position_embeddings is not None and args.max_position_embeddings < args.seq_length:
+        raise ValueError("--max-position-embeddings must be at least --seq-length")
+    if args.bf16 and not torch.cuda.is_available():
+        raise ValueError("--bf16 needs GPUs (the CPU path trains in fp32)")
+    strategy = getattr(args, "data_parallel_sharding_strategy", None)
+    if strategy is not None and not getattr(args, "use_megatron_fsdp", False):
+        raise ValueError(f"--data-parallel-sharding-strategy {strategy} needs --use-megatron-fsdp (without it: "
+                         "Megatron's DDP, plus --use-distributed-optimizer for ZeRO-1)")
+    if sharding_strategy(args) == "no_shard":
+        # megatron-core 0.16.1: Megatron-FSDP's no_shard crashes in the distributed optimizer's step (it
+        # gathers parameters from a buffer no_shard never made), and without that optimizer its gradients
+        # are not summed over the group. Replicating everything is what Megatron's DDP does.
+        raise ValueError("--data-parallel-sharding-strategy no_shard does not train in megatron-core 0.16.1's "
+                         "Megatron-FSDP; for no sharding drop --use-megatron-fsdp (Megatron's DDP)")
+    return config_from_args(args)                  # --context-parallel-algo, --cp-grid, sequence divisibility

@@ -1,0 +1,117 @@
+"""Starting the ranks: under torchrun as they are, or --nproc local processes spawned here; a failing rank
+prints its error, records the failure (--result-json) and exits non-zero without waiting for its peers, whose
+next collective then fails (or times out after --dist-timeout seconds), so a job never hangs silently.
+`--compare-cp1` runs CP = 1 and then the requested run and prints their losses side by side."""
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from .report import write_record
+
+
+def run_rank(rank: int, world: int, args, port: int | None, target) -> None:
+    """One rank: set up the process group (torchrun's env or the spawn's), run target(args), exit non-zero on
+    error."""
+    try:
+        if port is not None:
+            os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        gpu = torch.cuda.is_available()
+        if gpu:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        else:
+            from ..megatron.cpu_shim import apply_cpu_shims
+            apply_cpu_shims()
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("WORLD_SIZE", 1))))
+        dist.init_process_group("nccl" if gpu else "gloo", timeout=datetime.timedelta(seconds=args.dist_timeout))
+        target(args)
+        dist.destroy_process_group()
+    except BaseException as e:  # noqa: BLE001 - report, then leave without waiting for peers
+        print(f"[rank {os.environ.get('RANK', rank)}] failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        sys.stderr.flush()
+        try:
+            write_record(args, "failed", f"{type(e).__name__}: {e}")
+        except Exception:  # noqa: BLE001 - the exit status matters more than the record
+            pass
+        os._exit(1)
+
+
+def launch(args, target) -> None:
+    """Run target(args) on every rank: under torchrun as is, else in --nproc spawned processes."""
+    from ..bench._common import free_port
+
+    if "RANK" in os.environ or not args.nproc or args.nproc == 1:
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" not in os.environ:
+            os.environ["MASTER_PORT"] = str(free_port())
+        run_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args, None, target)
+        return
+    import multiprocessing
+
+    import torch.multiprocessing as mp
+    try:
+        mp.spawn(run_rank, args=(args.nproc, args, free_port(), target), nprocs=args.nproc)
+    except Exception as e:  # noqa: BLE001 - a rank failed: make sure none is left behind, then fail
+        for child in multiprocessing.active_children():
+            child.kill()
+        print(f"megatron-cp-pretrain: {e}", file=sys.stderr, flush=True)
+        os._exit(1)
+
+
+def compare_cp1(argv: list[str], args) -> None:
+    """Run CP = 1 and then the requested run as subprocesses; print their losses side by side."""
+    import json
+    import subprocess
+    import tempfile
+
+    tmp = tempfile.mkdtemp(prefix="megatron-cp-compare-")
+    base = [x for x in argv if x != "--compare-cp1"]
+    runs = {"CP=1": base + ["--nproc", "1", "--context-parallel-size", "1", "--log-json", f"{tmp}/cp1.jsonl"]
+            + (["--result-json", f"{tmp}/cp1.json"] if args.result_json else []),   # keep the user's for this run
+            "this run": base + ["--log-json", f"{tmp}/cp.jsonl"]}
+    for name, flags in runs.items():
+        print(f"== {name}: megatron-cp-pretrain {' '.join(flags)}", flush=True)
+        if subprocess.call([sys.executable, "-m", "megatron_cp_plugin.pretrain", *flags]) != 0:
+            sys.exit(f"megatron-cp-pretrain: the {name} run failed")
+    cp1, cp = ([json.loads(x)["loss"] for x in open(f"{tmp}/{n}.jsonl")] for n in ("cp1", "cp"))
+    print(f"\n{'iteration':>9} {'loss CP=1':>12} {'loss ' + args.context_parallel_algo:>20} {'difference':>11}")
+    for i, (a, b) in enumerate(zip(cp1, cp)):
+        print(f"{(i + 1) * args.log_interval:>9} {a:>12.6f} {b:>20.6f} {b - a:>11.2e}")
+
+
+def main(argv=None) -> None:
+    """megatron-cp-pretrain."""
+    from .config import parse_args
+    from .loop import train
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv, description=_DOC)
+    if args.compare_cp1 and "RANK" not in os.environ:
+        compare_cp1(argv, args)
+        return
+    launch(args, train)
+
+
+_DOC = """GPT pretraining with context-parallel attention: `megatron-cp-pretrain` / `python -m megatron_cp_plugin.pretrain`.
+
+    torchrun --nproc-per-node 4 -m megatron_cp_plugin.pretrain --context-parallel-size 4 \\
+        --context-parallel-algo attention2d --mock-data --train-iters 20
+    megatron-cp-pretrain --nproc 4 ...        # same, spawning the processes itself (no torchrun)
+    megatron-cp-pretrain --config configs/gpt3-2.7b.toml configs/algo/ring.toml --seq-length 65536 ...
+    megatron-cp-pretrain --config configs/gpt3-13b.toml --use-megatron-fsdp \\
+        --data-parallel-sharding-strategy optim_grads_params ...   # ZeRO-3 over data-parallel x CP
+
+--config reads TOML files whose keys are these flags' names (`num-layers = 24`, `bf16 = true`); later files
+override earlier ones and the command line overrides them all. --result-json writes one JSON per run.
+Megatron's flag names and code on both devices: Megatron's DDP or Megatron-FSDP over the data-parallel x CP
+group and Megatron's optimizer; NCCL and bf16 (--bf16) on GPUs, gloo and fp32 without one. --save / --load
+checkpoint and resume exactly (docs/training.md).
+"""

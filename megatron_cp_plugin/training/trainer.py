@@ -1,0 +1,145 @@
+"""The model, its data-parallel wrapper, optimizer, schedule and data of one run, and one training step.
+
+GPUs and CPUs build the same megatron-core objects: a GPTModel with the plugin's attention, wrapped in
+Megatron's DDP (with --use-distributed-optimizer: ZeRO-1) or in Megatron-FSDP (--use-megatron-fsdp: ZeRO-1/2/3
+by --data-parallel-sharding-strategy), both over the data-parallel x context-parallel group, and Megatron's
+optimizer (Adam, gradient clipping, bf16 main parameters on GPUs). Without a GPU, `training.cpu` lets that code
+run on gloo. The loss is the global token mean: every CP rank sums its tokens' losses and divides by the loss
+tokens of all ranks, and gradients are summed, not averaged, over data-parallel x CP (`calculate_per_token_loss`).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .config import sharding_strategy, transformer_config
+
+
+def build_datasets(args, tokenizer):
+    """(train, valid) GPT datasets: --data-path's .bin/.idx files, or Megatron's mock data without it."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+
+    mock = args.data_path is None
+    cfg = GPTDatasetConfig(random_seed=args.seed, sequence_length=args.seq_length,
+                           blend=None if mock else (args.data_path, None), split="98,2,0", tokenizer=tokenizer,
+                           reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
+                           create_attention_mask=False,      # causal is implicit; an [S, S] mask per sample is not
+                           path_to_cache=os.path.join(args.save or ".", ".index_cache") if not mock else None)
+    evals = (args.train_iters // args.eval_interval + 1) * args.eval_iters if args.eval_interval else 0
+    sizes = [args.train_iters * args.global_batch_size, evals * args.global_batch_size or None, None]
+    train, valid, _ = BlendedMegatronDatasetBuilder(MockGPTDataset if mock else GPTDataset, sizes, lambda: True,
+                                                    cfg).build()
+    return train, valid
+
+
+def micro_batches(dataset, args, it: int, dp_rank: int):
+    """The micro-batches of iteration `it` for this data-parallel rank: sample indices are a function of the
+    iteration, so a resumed run reads exactly what the uninterrupted one would have."""
+    per_iter, mb = args.global_batch_size, args.micro_batch_size
+    for m in range(per_iter // (mb * args.data_parallel_size)):
+        first = it * per_iter + (m * args.data_parallel_size + dp_rank) * mb
+        samples = [dataset[(first + j) % len(dataset)] for j in range(mb)]
+        yield {k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in
+               ("tokens", "labels", "loss_mask", "position_ids")}
+
+
+class Trainer:
+    """One run's model, optimizer, scheduler and data; `iteration` counts the optimizer steps taken."""
+
+    def __init__(self, args, cp_cfg, device):
+        from megatron.core import parallel_state as ps
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        from ..megatron.model import build_gpt
+        from ..megatron.tokenizer import ByteTokenizer
+
+        self.args, self.cp_cfg, self.device = args, cp_cfg, device
+        self.gpu = device.type == "cuda"
+        self.fsdp = sharding_strategy(args)            # None: Megatron's DDP
+        self.distributed_optimizer = bool(args.use_distributed_optimizer or self.fsdp)
+        self.tokenizer = ByteTokenizer(args.vocab_size)
+        self.cp_group = ps.get_context_parallel_group()
+        self.dp_cp_group = ps.get_data_parallel_group(with_context_parallel=True)
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.tp_rank, self.tp_size = ps.get_tensor_model_parallel_rank(), args.tensor_model_parallel_size
+        config = transformer_config(args, self.gpu)
+        torch.manual_seed(args.seed)
+        if self.gpu:                                   # Megatron initialises GPU weights from its RNG tracker
+            from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+            model_parallel_cuda_manual_seed(args.seed)
+        model = build_gpt(config, cp_cfg, vocab_size=self.tokenizer.vocab_size,
+                          seq_length=args.max_position_embeddings or args.seq_length, cp_group=self.cp_group)
+        self.n_params = sum(p.numel() for p in model.parameters())
+        self.model = self._wrap(config, model.to(device))
+        self.optimizer = get_megatron_optimizer(OptimizerConfig(
+            optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay, bf16=args.bf16,
+            params_dtype=config.params_dtype, clip_grad=args.clip_grad,
+            use_distributed_optimizer=self.distributed_optimizer), [self.model])
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0 if args.lr_warmup_iters else args.lr, max_lr=args.lr, min_lr=args.min_lr,
+            lr_warmup_steps=args.lr_warmup_iters, lr_decay_steps=args.train_iters, lr_decay_style=args.lr_decay_style,
+            start_wd=args.weight_decay, end_wd=args.weight_decay, wd_incr_steps=args.train_iters,
+            wd_incr_style="constant")
+        self.train_data, self.valid_data = build_datasets(args, self.tokenizer)
+        self.iteration = 0
+
+    def _wrap(self, config, model):
+        """Megatron's DDP, or Megatron-FSDP with the requested sharding, over data-parallel x CP."""
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=self.distributed_optimizer,
+            use_megatron_fsdp=bool(self.fsdp), data_parallel_sharding_strategy=self.fsdp or "no_shard")
+        if not self.fsdp:
+            return DistributedDataParallel(config, ddp_config, model)
+        from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+        # optim_grads_params gathers each TransformerLayer's parameters just before it runs (the adapter's
+        # default unit); the embedding and output layer stay in the root unit.
+        return FullyShardedDataParallel(config, ddp_config, model, device=self.device)
+
+    @property
+    def gpt(self):
+        """The GPTModel inside the data-parallel wrapper."""
+        module = self.model.module
+        return module.module if self.fsdp else module   # FSDP: adapter -> MegatronFSDP -> GPTModel
+
+    def _loss(self, batch):
+        from ..megatron.batch import cp_token_mean_loss, shard_batch
+
+        b = shard_batch({k: v.to(self.device) for k, v in batch.items()}, algo=self.cp_cfg.algo,
+                        cp_group=self.cp_group)
+        per_token = self.model(b["tokens"], b["position_ids"], None, labels=b["labels"])
+        return cp_token_mean_loss(per_token.float(), b["loss_mask"], self.dp_cp_group)
+
+    def train_step(self) -> float:
+        """One optimizer step over this iteration's micro-batches; returns the global token-mean loss."""
+        batches = list(micro_batches(self.train_data, self.args, self.iteration, self.dp_rank))
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        total = 0.0
+        for batch in batches:
+            loss, reported = self._loss(batch)
+            (loss / len(batches)).backward()
+            total += reported.item() / len(batches)
+        self.model.finish_grad_sync()                  # sums over data-parallel x CP (per-token loss)
+        self.optimizer.step()                          # clips, steps Adam, gathers the updated parameters
+        self.scheduler.step(1)
+        self.iteration += 1
+        return total
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        losses = [self._loss(b)[1].item() for it in range(self.args.eval_iters)
+                  for b in micro_batches(self.valid_data, self.args, it, self.dp_rank)]
+        return sum(losses) / len(losses)
+
+    def save(self) -> str:
+        from .checkpoint import save_checkpoint
+        return save_checkpoint(self)
+
+    def load(self) -> None:
+        from .checkpoint import load_checkpoint
+        load_checkpoint(self)
