@@ -106,3 +106,44 @@ def test_merge_partials(P, R, d):
     assert torch.allclose(out, ro[0, :, 0], atol=1e-5) and torch.equal(torch.isinf(acc), torch.isinf(rl[0, 0]))
     fin = torch.isfinite(acc)
     assert torch.allclose(acc[fin], rl[0, 0][fin], atol=1e-5)
+
+
+@pytest.mark.parametrize("with_pos", [False, True])
+def test_kv_lengths_bound_the_keys_read(with_pos):
+    # A fixed-capacity cache: row i has kv_lengths[i] keys (0 included); slots past them hold garbage (NaN:
+    # a kernel reading them would show it). Workspace buffers and `out` destinations give the same result.
+    b, n_q, h, h_kv, d, cap = 3, 2, 8, 2, 64, 300
+    q, k, v, kpos, qpos = _data(b, n_q, h, h_kv, d, cap, seed=9)
+    lens = torch.tensor([0, 130, 300], dtype=torch.int32, device=DEV)
+    past = torch.arange(cap, device=DEV)[None, :] >= lens[:, None]
+    k, v = (x.masked_fill(past[:, :, None, None], float("nan")) for x in (k, v))
+    ref_pos = torch.where(past, -1, kpos if with_pos else torch.arange(cap, device=DEV).expand(b, cap))
+    kw = {"kv_positions": kpos if with_pos else None, "q_positions": qpos if with_pos else None}
+    ws = fd.Workspace()
+    rows = b * h * n_q
+    out = (torch.empty(rows, d, device=DEV), torch.empty(rows, device=DEV))
+    for call in range(2):
+        o, lse = fd.flash_decode(q, k, v, kv_lengths=lens, num_splits=4, workspace=ws,
+                                 out=out if call else None, **kw)
+        _check(o, lse, q, k.nan_to_num(), v.nan_to_num(), kv_positions=ref_pos, q_positions=kw["q_positions"])
+    with pytest.raises(ValueError, match="kv_lengths must be"):
+        fd.flash_decode(q, k, v, kv_lengths=lens[:2])
+
+
+def test_merge_packed_equals_merge_partials():
+    # The all-gathered layout of tree decoding: each rank's (o [R, d], lse [R]) packed into one row.
+    P, R, d = 3, 7, 64
+    g = torch.Generator().manual_seed(4)
+    o = torch.randn(P, R, d, generator=g).to(DEV)
+    lse = torch.randn(P, R, generator=g).to(DEV)
+    lse[0, 2] = float("-inf")
+    lse[:, 5] = float("-inf")                                         # a row no rank saw
+    parts = torch.cat([o.reshape(P, -1), lse], 1)
+    out, acc = fd.merge_packed(parts, d)
+    ro, ra = fd.merge_partials(o, lse)
+    assert torch.equal(out, ro) and torch.equal(torch.isinf(acc), torch.isinf(ra))
+    assert torch.equal(acc[torch.isfinite(acc)], ra[torch.isfinite(ra)])
+    low, _ = fd.merge_packed(parts, d, out_dtype=torch.bfloat16)
+    assert low.dtype == torch.bfloat16 and torch.allclose(low.float(), ro, atol=1e-2)
+    with pytest.raises(ValueError, match="merge_packed"):
+        fd.merge_packed(parts[:, 1:], d)

@@ -1,6 +1,12 @@
-"""Decode-step attention latency: tree decoding (each variant) vs ring decoding vs one GPU, side by side.
+"""Decode-step latency: tree decoding (each variant) vs ring decoding vs one GPU, side by side, next to the
+memory-bandwidth floor.
 
     torchrun --nproc-per-node 2 -m megatron_cp_plugin.bench.decode --context 32768 131072 524288
+    torchrun --nproc-per-node 2 -m megatron_cp_plugin.bench.decode --model --context 131072 524288 --batch 1 8
+
+--model times whole generation steps of a GPTModel (Llama-3.1-8B shape by default, random bf16 weights) with
+the static decode step (inference/static.py), graphed and eager, tree and ring; see `model_bench`.
+Without it, the attention alone:
 
 Llama-3.1-8B attention shape by default (32 heads, 8 KV heads, d = 128, 32 layers), b = 1, one new token,
 bf16; the cache is split evenly over the ranks. A decode step is the attention of all --layers layers
@@ -10,7 +16,8 @@ so no layer finds its KV in L2). Timing: barrier, synchronize, CUDA events aroun
 --iters steps, the slowest rank counting. "(CUDA graph)" rows replay the same step captured as one graph,
 as a serving engine runs decode; "cuDNN local" rows use the prefill kernel instead of split-KV
 flash-decoding for the local step (what tree decoding used before kernels/flash_decode.py).
-Byte formula in the header.
+Byte formula in the header. floor_ms: the step's KV read at the GPU's memory bandwidth (H200 4.3 TB/s, H100
+3.0, else measured; --mem-bw overrides); x_floor = step_ms / floor_ms.
 """
 from __future__ import annotations
 
@@ -23,6 +30,7 @@ import megatron_cp_plugin as mcp
 from megatron_cp_plugin.algos.ring_decode import ring_decode
 from megatron_cp_plugin.algos.tree_decode import VARIANTS
 from megatron_cp_plugin.bench._common import gather_max, init_distributed, time_ms, write_report
+from megatron_cp_plugin.inference.floor import memory_bandwidth
 from megatron_cp_plugin.kernels.local_attn import decode_fwd
 
 
@@ -34,8 +42,10 @@ def step_ms(step, *, iters: int, warmup: int = 3) -> float:
     return gather_max(time_ms(step, warmup=warmup, iters=iters, before=together))
 
 
-def graphed(step):
-    """step captured as one CUDA graph (after a warm-up on a side stream); returns its replay, or None."""
+def graphed(step, keep: list):
+    """step captured as one CUDA graph (after a warm-up on a side stream); returns its replay, or None. The graph
+    goes into `keep`, which the caller empties before destroying the process group: NCCL does not finish
+    destroying a communicator while a graph that captured its collectives is alive (the hang seen on exit)."""
     try:
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
@@ -46,6 +56,7 @@ def graphed(step):
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             step()
+        keep.append(g)
         return g.replay
     except Exception as e:  # noqa: BLE001 - report which method could not be captured, keep measuring the rest
         print(f"rank {dist.get_rank()}: CUDA graph capture failed: {type(e).__name__}: {e}", flush=True)
@@ -64,12 +75,39 @@ def main(argv=None):
     p.add_argument("--single-max", type=int, default=1 << 20, help="largest context the one-GPU baseline runs")
     p.add_argument("--no-graphs", action="store_true")
     p.add_argument("--out", default="results/decode")
+    p.add_argument("--mem-bw", type=float, default=None, metavar="TB/s", help="bandwidth of the floor")
+    g = p.add_argument_group("--model: whole GPT decode steps")
+    g.add_argument("--model", action="store_true", help="time the static decode step of a GPTModel")
+    g.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    g.add_argument("--batch-max-context", type=int, default=131072, help="batches > 1 only up to this context")
+    g.add_argument("--decoders", nargs="+", choices=("tree", "ring"), default=["tree", "ring"])
+    g.add_argument("--hidden", type=int, default=4096)
+    g.add_argument("--ffn", type=int, default=14336)
+    g.add_argument("--tokens", type=int, default=32, help="decode steps timed per configuration")
+    g.add_argument("--eager-context", type=int, nargs="*", default=[131072], help="contexts also timed eagerly")
+    g.add_argument("--check-context", type=int, default=16384, help="prompt of the graph-vs-eager token check")
+    g.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     a = p.parse_args(argv)
     rank, world, dev = init_distributed()
-    if dev.type != "cuda":
+    if dev.type != "cuda" and not a.model:
         raise SystemExit("bench.decode needs GPUs (run it under torchrun on a GPU machine)")
+    bw = memory_bandwidth(dev, None if a.mem_bw is None else a.mem_bw * 1e12)
+    if a.model:
+        from megatron_cp_plugin.bench.decode_model import model_bench
+        model_bench(a, rank, world, dev, bw)
+    else:
+        attention_bench(a, rank, world, dev, bw)
+    # Exit cleanly: every graph is gone (see `graphed`), the last kernels are done, and no rank destroys the
+    # communicator while another is still writing its report or in a collective.
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def attention_bench(a, rank: int, world: int, dev, bw: float) -> None:
     dtype = torch.bfloat16
-    rows = []
+    rows, graphs = [], []
     for n in a.context:
         s = n // world
         q = torch.randn(1, 1, a.heads, a.head_dim, device=dev, dtype=dtype,
@@ -92,10 +130,12 @@ def main(argv=None):
         if not a.no_graphs:
             for name in ("tree allgather", "tree allreduce2", "tree allreduce3", "ring-decode",
                          "local shard only (no merge)"):
-                replay = graphed(methods[name])
+                replay = graphed(methods[name], graphs)
                 if replay is not None:
                     methods[name + " (CUDA graph)"] = replay
         res = {name: step_ms(fn, iters=a.iters) for name, fn in methods.items()}
+        methods.clear()
+        graphs.clear()                                     # free the graphs (and with them their NCCL work)
         caches.clear()                                     # free this context's shards
         if n <= a.single_max:
             # One GPU holding the whole cache (rank 0; the others wait at the barrier inside step_ms).
@@ -109,8 +149,11 @@ def main(argv=None):
         if rank == 0:
             ring = res["ring-decode"]
             for name, t in res.items():
-                rows.append({"context": n, "method": name, "P": 1 if name.startswith("one GPU") else world,
-                             "step_ms": t, "layer_us": t / a.layers * 1e3, "ring_decode_over_this": ring / t})
+                P = 1 if name.startswith("one GPU") else world
+                # The floor: every layer's K, V shard (context / P tokens) read once from HBM.
+                floor = a.layers * -(-n // P) * 2 * a.kv_heads * a.head_dim * 2 / bw * 1e3
+                rows.append({"context": n, "method": name, "P": P, "step_ms": t, "layer_us": t / a.layers * 1e3,
+                             "ring_decode_over_this": ring / t, "floor_ms": floor, "x_floor": t / floor})
         torch.cuda.empty_cache()
     if rank == 0:
         name = torch.cuda.get_device_name(dev)
@@ -119,9 +162,9 @@ def main(argv=None):
                   f"{a.layers} layers back to back, {world} x {name}; median of {a.iters}. Bytes per rank per "
                   f"layer: tree moves (o, lse) = b*h*(d+1)*4 = {a.heads * (a.head_dim + 1) * 4} B per all-reduce; "
                   f"ring-decode moves (P-1) shards of context/P * 2*h_kv*d*2 = {kv_bytes} B per token; the local "
-                  f"step reads context/P * {kv_bytes} B.")
+                  f"step reads context/P * {kv_bytes} B. floor_ms = layers * context/P * {kv_bytes} B / "
+                  f"{bw / 1e12:.2f} TB/s (the KV read alone); x_floor = step_ms / floor_ms.")
         print(write_report(rows, a.out, header, plot=("context", "step_ms", "method")), flush=True)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

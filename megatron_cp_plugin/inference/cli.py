@@ -54,10 +54,13 @@ def _args(argv=None):
     if not (args.prompt is not None or args.prompt_file or args.prompt_ids):
         p.error("one of --prompt, --prompt-file, --prompt-ids is required")
     given = {name for name in MODEL_ARGS if getattr(args, name) is not None}
-    if args.load:
-        apply_model_args(args, model_args_of(checkpoint_path(args.load)), given, defaults)
-    else:
-        set_unless_given(args, given, defaults)
+    try:
+        if args.load:
+            apply_model_args(args, model_args_of(checkpoint_path(args.load)), given, defaults)
+        else:
+            set_unless_given(args, given, defaults)
+    except ValueError as e:                        # one line naming the flag, before any process starts
+        p.error(str(e))
     for name, lo in (("max_new_tokens", 1), ("batch_size", 1)):
         if getattr(args, name) < lo:
             p.error(f"--{name.replace('_', '-')} must be >= {lo}")

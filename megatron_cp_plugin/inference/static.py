@@ -14,7 +14,10 @@ Why each piece is static: a replay re-runs the captured kernels on the captured 
   * the position, the fill and the fed token are device tensors that the step itself advances;
   * tree decoding reads `kv_lengths` (fill, plus the new token where owned): the split-KV kernel stops at the
     fill, so a step reads what is filled, not the capacity; its buffers come from one `Workspace`;
-  * RoPE's row is computed from the position tensor; sampling is `sampling.sample` (no host read-back).
+  * RoPE's cos, sin come from the position tensor, once per step; each layer rotates its q, k and appends
+    its K, V in one kernel (kernels/rope_append.py) instead of Megatron's ~26 small ones (a graphed step is
+    bound by its weight and KV reads plus a gap per kernel);
+  * sampling is `sampling.sample` (no host read-back).
 Prefill is the model's own forward with a training algorithm (`CPCoreAttention` hands each layer's K, V shard
 to `store_prefill`), as in `generate`. The tree merge variant, unless given, is the decode cost model's choice
 for this context, P and mode (graphed or eager), logged once.
@@ -31,6 +34,7 @@ import torch.distributed as dist
 from ..algos.ring_decode import ring_decode
 from ..algos.tree_decode import VARIANTS, tree_decode
 from ..kernels.flash_decode import Workspace
+from ..kernels.rope_append import rope_append
 from ..sharding import sequence_positions
 from .generate import _prefill_multiple, install_decode_state
 from .sampling import check_sampling, sample
@@ -117,6 +121,7 @@ class StaticDecoder:
         inner = getattr(rope, "inner", rope)
         self._inv_freq = None if inner is None else inner.inv_freq.to(dev)
         self._rope_inner, self._gpt = inner, gpt
+        self._cos = self._sin = None                                        # this step's RoPE, [r / 2] fp32
         self.graph: torch.cuda.CUDAGraph | None = None
         self.position_host = self.fill_host = 0                            # host mirrors (no read-back)
         self.timings: dict = {}
@@ -221,6 +226,7 @@ class StaticDecoder:
                 m.core_attention = c
             if rope is not None:
                 self._gpt.rotary_pos_emb = rope
+            self._cos = self._sin = None
 
     def _body(self):
         """One decode step on device tensors only (what the graph captures)."""
@@ -356,13 +362,19 @@ class _StaticCore(torch.nn.Module):
         self.inner, self.index, self.dec = inner, index, dec
 
     def forward(self, query, key, value, attention_mask=None, **_):
-        """query [1, b, h, d], key, value [1, b, h_kv, d] (RoPE applied) -> [1, b, h * d]."""
+        """query [1, b, h, d], key, value [1, b, h_kv, d] -> [1, b, h * d]. RoPE is applied here (the step's
+        cos, sin from _StaticRope) unless Megatron applied it (interleaved RoPE, or no RoPE at all)."""
         dec, c = self.dec, self.dec.cache
         k_all, v_all = c.k[self.index], c.v[self.index]
-        k_all.index_copy_(1, dec._slot, key.transpose(0, 1))
-        v_all.index_copy_(1, dec._slot, value.transpose(0, 1))
-        q, cap = query.transpose(0, 1), c.capacity
-        scale = self.inner.softmax_scale
+        q, k, v = (x.transpose(0, 1) for x in (query, key, value))                # [b, 1, ., d] views
+        if dec._cos is not None:
+            b, _, h, d = q.shape
+            buf = dec.workspace.take("static.q", b * h * d, q.dtype, q.device).view(b, 1, h, d)
+            q = rope_append(q, k, v, dec._cos, dec._sin, dec._slot, k_all, v_all, out=buf)
+        else:
+            k_all.index_copy_(1, dec._slot, k)
+            v_all.index_copy_(1, dec._slot, v)
+        cap, scale = c.capacity, self.inner.softmax_scale
         if dec.decoder == "ring":
             o = ring_decode(q, k_all[:, :cap], v_all[:, :cap], group=dec.group, softmax_scale=scale,
                             kv_positions=c.pos[:, :cap])
@@ -373,7 +385,9 @@ class _StaticCore(torch.nn.Module):
 
 
 class _StaticRope(torch.nn.Module):
-    """RoPE's table row of the decoder's position tensor, [1, 1, 1, dim], as Megatron's get_emb computes it."""
+    """Stands in for the model's rotary embedding during the step: computes cos, sin of the position tensor
+    (as Megatron's get_emb: position * inv_freq in fp32) for `_StaticCore` and gives Megatron no table, so its
+    own RoPE kernels do not run. Interleaved RoPE: the [1, 1, 1, dim] table row, applied by Megatron."""
 
     def __init__(self, outer, dec: StaticDecoder):
         super().__init__()
@@ -384,12 +398,11 @@ class _StaticRope(torch.nn.Module):
         seq = dec.position.to(torch.float32)
         if inner.seq_len_interpolation_factor is not None:
             seq = seq * (1 / inner.seq_len_interpolation_factor)
-        freqs = torch.outer(seq, dec._inv_freq)                                  # [1, dim / 2]
+        freqs = torch.outer(seq, dec._inv_freq)                                  # [1, r / 2]
         if inner.rotary_interleaved:
-            emb = torch.stack((freqs, freqs), dim=-1).view(freqs.shape[0], -1)
-        else:
-            emb = torch.cat((freqs, freqs), dim=-1)
-        return emb[:, None, None, :]
+            return torch.stack((freqs, freqs), dim=-1).view(1, 1, 1, -1)
+        dec._cos, dec._sin = torch.cos(freqs[0]), torch.sin(freqs[0])
+        return None
 
     def __getattr__(self, name):                                           # get_rotary_seq_len, ...
         try:
