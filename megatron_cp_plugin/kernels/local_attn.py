@@ -22,7 +22,7 @@ tensor [b, sq, sk] (True = visible), run by the math kernel (decoding: ragged ca
 
 Backends:
   "cudnn"       torch.ops.aten._scaled_dot_product_cudnn_attention(+_backward); 603-616 TFLOP/s fwd on
-                H200 (DESIGN.md), the default on Hopper.
+                H200 (docs/design.md), the default on Hopper.
   "flash"       torch.ops.aten._scaled_dot_product_flash_attention(+_backward): FA2 inside torch,
                 315-337 TFLOP/s; the default on other GPUs.
   "flash_attn"  the flash-attn package when importable (FA2 API, version shims below).
