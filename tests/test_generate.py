@@ -154,3 +154,31 @@ def test_static_bad_input(pools, case, needle):
     out = pools(2).run_outcomes(_static_bad, case, timeout=60)
     for ok, val in out.values():
         assert not ok and val[0] == "ValueError" and needle in val[1], val
+
+
+# ------------------------------------------------------------------------------ device sampling
+def test_top_p_sampling_draws_the_nucleus_distribution():
+    from megatron_cp_plugin.inference.sampling import sample, uniform
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.2, -1.0, -3.0])
+    temperature, top_p, n = 0.9, 0.8, 40000
+    # fp64 reference: softmax(logits / T), the smallest prefix (by probability) reaching top_p, renormalised.
+    p = torch.softmax(logits.double() / temperature, -1)
+    order = p.argsort(descending=True)
+    keep = (p[order].cumsum(0) - p[order]) < top_p
+    ref = torch.zeros_like(p)
+    ref[order[keep]] = p[order[keep]]
+    ref /= ref.sum()
+    # n rows of the same logits: n independent draws (each row has its own random numbers).
+    tok = sample(logits.expand(n, -1), temperature=temperature, top_p=top_p, seed=3, key=torch.tensor([17]))
+    freq = torch.bincount(tok, minlength=6).double() / n
+    sigma = (ref * (1 - ref) / n).sqrt()
+    assert ((freq - ref).abs() <= 5 * sigma + 1e-12).all(), (freq, ref)
+    assert (freq[ref == 0] == 0).all() and ref[3:].sum() == 0           # outside the nucleus: never drawn
+    # Counter-based: the same (seed, key) gives the same draws, another key others; uniforms in (0, 1).
+    again = sample(logits.expand(n, -1), temperature=temperature, top_p=top_p, seed=3, key=torch.tensor([17]))
+    other = sample(logits.expand(n, -1), temperature=temperature, top_p=top_p, seed=3, key=torch.tensor([18]))
+    assert torch.equal(tok, again) and not torch.equal(tok, other)
+    u = uniform(0, torch.tensor([5]), (4, 50000))
+    assert 0 < u.min() and u.max() < 1 and abs(u.mean().item() - 0.5) < 0.01 and len(u.unique()) > 190000
+    assert torch.equal(sample(logits[None], temperature=0.0, top_p=1.0, seed=0, key=torch.tensor([0])),
+                       torch.tensor([0]))

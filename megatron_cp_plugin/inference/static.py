@@ -90,7 +90,7 @@ class StaticDecoder:
             if not (isinstance(v, int) and v >= 1):
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         check_sampling(temperature, top_p)
-        self.model, self.group, self.decoder = model, cp_group, decoder
+        self.model, self.group, self.decoder = model.eval(), cp_group, decoder
         self.world, self.rank = cp_group.size(), cp_group.rank()
         self.batch, self.temperature, self.top_p, self.seed = batch, temperature, top_p, seed
         self.device = next(model.parameters()).device
@@ -110,7 +110,10 @@ class StaticDecoder:
                                  cfg.params_dtype, self.device)
         self.variant, self.variant_note = variant, f"{variant} (given)"
         if decoder == "tree" and variant is None:
-            self.variant, self.variant_note = self._choose_variant(capacity * self.world)
+            if self.world == 1:                                            # nothing to merge
+                self.variant, self.variant_note = "allgather", "none (P = 1)"
+            else:
+                self.variant, self.variant_note = self._choose_variant(capacity * self.world)
         dev, long = self.device, torch.long
         self.tokens = torch.zeros(batch, 1, dtype=long, device=dev)        # the token fed to the step
         self.position = torch.zeros(1, dtype=long, device=dev)              # its global position
@@ -156,6 +159,7 @@ class StaticDecoder:
         """Tokens of positions [0, n) that this rank holds (round-robin: position mod P)."""
         return n // self.world + (1 if self.rank < n % self.world else 0)
 
+    @torch.no_grad()
     def fill_random(self, context: int, seed: int = 0) -> None:
         """Fill the cache as if `context` tokens had been decoded round-robin, with random K, V (N(0, 1)): for
         latency measurements at contexts whose prefill would take minutes."""
@@ -174,6 +178,9 @@ class StaticDecoder:
     def prefill(self, prompt: torch.Tensor, algo: str):
         """Run the longest shardable prefix of prompt [b, L] with `algo`, keeping each layer's K, V shard in the
         cache. Returns the last prefilled token's logits [b, vocab] fp32 (None when nothing was prefilled)."""
+        from ..megatron.attention import CPCoreAttention
+        from ..megatron.rope import CPRotaryEmbedding
+
         b, L = prompt.shape
         P = self.world
         L0 = L - L % _prefill_multiple(algo, P)
@@ -196,11 +203,14 @@ class StaticDecoder:
         if pos.numel() > cache.capacity:
             raise ValueError(f"prompt: {pos.numel()} prefilled tokens on this rank exceed the capacity {cache.capacity}")
         self.model.eval()
+        hooked = [m for m in self.model.modules() if isinstance(m, (CPCoreAttention, CPRotaryEmbedding))]
+        before = [m.__dict__.get("decode_state") for m in hooked]
         install_decode_state(self.model, _Prefill())
         try:
             logits = self.model(prompt[:, :L0].index_select(1, pos), pos.expand(b, -1), None)   # [b, L0 / P, V]
         finally:
-            install_decode_state(self.model, None)
+            for m, st in zip(hooked, before):                              # whatever was installed before
+                m.decode_state = st
         last = (pos == L0 - 1).nonzero()
         row = (logits[:, last[0, 0]].float().contiguous() if len(last)
                else torch.zeros(b, logits.shape[-1], device=self.device))
@@ -245,6 +255,7 @@ class StaticDecoder:
         c.fill.add_(owner)
         self.position.add_(1)
 
+    @torch.no_grad()
     def capture(self) -> None:
         """Warm up on a side stream, restore the state, capture the step as one CUDA graph."""
         state = (self.position_host, self.fill_host, self.tokens.clone())
@@ -261,6 +272,7 @@ class StaticDecoder:
             self._body()
         self.graph = graph
 
+    @torch.no_grad()
     def step(self) -> None:
         """Decode one token: feed self.tokens at self.position; self.next_tokens gets the sampled token."""
         # The fullest rank holds ceil((position + 1) / P) tokens after this step (equal prefill shares, then
