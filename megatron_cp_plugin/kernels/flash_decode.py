@@ -99,6 +99,7 @@ if triton is not None:
         # Phase 1: program (b * h_kv + kv head, split) -> partial (o, lse) of its NQ * G rows over its keys.
         pid_bh, split = tl.program_id(0), tl.program_id(1)
         bi, kh = pid_bh // H_KV, pid_bh % H_KV
+        bi = bi.to(tl.int64)        # batch offsets of a large cache (b x capacity x h_kv x d) pass 2^31
         rows = tl.arange(0, BLOCK_M)                  # row = query token t * G + head-in-group j
         t, j = rows // G, rows % G
         row_ok = rows < NQ * G

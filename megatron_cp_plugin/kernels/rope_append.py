@@ -61,7 +61,7 @@ if triton is not None:
                             sqb, sqh, skb, skh, svb, svh, skcb, skct, skch, svcb, svct, svch,
                             H, H_KV, HALF, D: tl.constexpr):
         # Program (sequence, row): rows [0, H) rotate q, [H, H + H_KV) rotate k into the cache, the rest copy v.
-        bi, j = tl.program_id(0), tl.program_id(1)
+        bi, j = tl.program_id(0).to(tl.int64), tl.program_id(1)     # cache offsets can pass 2^31
         dims = tl.arange(0, D)
         rot = dims < 2 * HALF
         first = dims < HALF
