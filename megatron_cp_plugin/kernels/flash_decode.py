@@ -234,6 +234,12 @@ class Workspace:
         return buf[:numel]
 
 
+def _stages(d: int, elem: int) -> int:
+    """Pipeline stages of the K, V loads that fit in ~160 kB of shared memory (3 for bf16; fewer for fp32 and
+    d = 256, where Triton's default of 3 would not fit)."""
+    return max(1, min(3, (160 << 10) // (2 * BLOCK_N * d * elem)))
+
+
 def num_splits_for(b: int, h_kv: int, s: int) -> int:
     """Splits so that b * h_kv * splits is about TARGET_PROGRAMS, each split at least one key block."""
     return max(1, min(math.ceil(TARGET_PROGRAMS / max(1, b * h_kv)), math.ceil(s / BLOCK_N)))
@@ -277,7 +283,8 @@ def flash_decode(q, k, v, *, scale: float | None = None, kv_positions=None, q_po
         h_kv, s, split_len, splits, scale * 1.4426950408889634,
         NQ=n_q, G=g, BLOCK_M=block_m, BLOCK_N=BLOCK_N, D=d,
         HAS_KPOS=kv_positions is not None, HAS_QPOS=q_positions is not None, HAS_KLEN=kv_lengths is not None,
-        PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)   # fp32 exact; tf32 is moot for bf16
+        PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4,   # fp32 exact; tf32 is moot for bf16
+        num_stages=_stages(d, k.element_size()))
     # Phase 2: partial i of row r of (batch, KV head) x is row (x * splits + i) * block_m + r.
     rows = b * h_kv * n_q * g
     if out is not None and (out[0].shape != (rows, d) or out[1].shape != (rows,) or out[0].dtype != torch.float32
