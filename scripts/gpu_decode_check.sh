@@ -18,7 +18,7 @@ if [ -d .whl ] && ! python3 -c "import megatron.core" 2>/dev/null; then
 fi
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 LOG=$OUT/gpu_decode_check.log; : > "$LOG"
-BUDGET=${BUDGET:-410}                     # seconds for everything; a step gets what is left, capped
+BUDGET=${BUDGET:-395}                     # seconds for everything; a step gets what is left, capped
 M="--num-layers 32 --hidden-size 4096 --num-attention-heads 32 --num-query-groups 8 --ffn-hidden-size 14336"
 run() {                                   # run NAME CAP_SECONDS CMD...: log it, bounded by the budget
   local name=$1 cap=$2; shift 2
