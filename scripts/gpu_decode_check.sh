@@ -23,7 +23,7 @@ M="--num-layers 32 --hidden-size 4096 --num-attention-heads 32 --num-query-group
 run() {                                   # run NAME CAP_SECONDS CMD...: log it, bounded by the budget
   local name=$1 cap=$2; shift 2
   local left=$((BUDGET - SECONDS)); local t=$(( cap < left ? cap : left ))
-  if [ "$t" -lt 30 ]; then echo "== $name: skipped, $left s of the budget left" | tee -a "$LOG"; return 1; fi
+  if [ "$left" -lt 30 ]; then echo "== $name: skipped, $left s of the budget left" | tee -a "$LOG"; return 1; fi
   echo "== $name (timeout $t s): $*" | tee -a "$LOG"
   timeout -k 10 "$t" "$@" >> "$LOG" 2>&1; local rc=$?
   echo "== $name: exit $rc after ${SECONDS} s" | tee -a "$LOG"; return $rc
