@@ -2,8 +2,10 @@
 from .algos import ALGORITHMS, context_parallel_attention
 from .algos.tree_decode import tree_decode
 from .comm import CommStats, CPGrid, attention2d_bytes, choose_grid
-from .sharding import sequence_positions, shard_sequence, unshard_sequence
+from .sharding import (document_unit, pad_documents, pad_packed, sequence_positions, shard_sequence,
+                       unshard_sequence)
 
 __all__ = ["ALGORITHMS", "CPGrid", "CommStats", "attention2d_bytes", "choose_grid", "context_parallel_attention",
-           "sequence_positions", "shard_sequence", "tree_decode", "unshard_sequence"]
+           "document_unit", "pad_documents", "pad_packed", "sequence_positions", "shard_sequence", "tree_decode",
+           "unshard_sequence"]
 __version__ = "0.1.0"

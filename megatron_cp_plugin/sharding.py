@@ -5,18 +5,39 @@ Layouts:
          2P-1-r, in that order, so every rank does the same causal work. Megatron's
          `get_batch_on_this_cp_rank` and RoPE slicer assume exactly this.
   cyclic (attention2d-*): token t lives on rank t mod P (rank = rank in the CP group), in token order.
+
+Packed sequences (`cu_seqlens`, int32 [n_docs + 1]: the cumulative document boundaries of the whole packed
+sequence, the same on every rank): each document is laid out on its own, and a rank holds its part of document
+0, then of document 1, ... So the local sequence is itself packed, with boundaries cu_seqlens / P. Zigzag per
+document is TransformerEngine's THD layout (`thd_get_partitioned_indices`). Every document length must be a
+multiple of the layout's unit (`document_unit`: 2P zigzag, P cyclic; 1 on one rank); `pad_documents` pads
+a data loader's documents to it.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from .algos import layout_of
 from .comm import resolve_group
+
+LAYOUTS = {"ring": "zigzag", "burst": "zigzag", "attention2d-no": "cyclic", "attention2d-o": "cyclic"}
+
+
+def layout_of(algo: str) -> str:
+    """The sequence layout of `algo` ("zigzag" or "cyclic"); ValueError for an unknown algo."""
+    if algo not in LAYOUTS:
+        raise ValueError(f"algo must be one of {tuple(LAYOUTS)}, got {algo!r}")
+    return LAYOUTS[algo]
 
 
 def _divisor(layout: str, world_size: int) -> int:
     return 2 * world_size if layout == "zigzag" else world_size
+
+
+def document_unit(algo: str, world_size: int) -> int:
+    """The multiple every packed document's length must be for `algo` over `world_size` ranks: 2P (zigzag), P
+    (cyclic); 1 on a single rank, where every layout is the identity."""
+    return 1 if world_size == 1 else _divisor(layout_of(algo), world_size)
 
 
 def _check_len(seq_len: int, layout: str, world_size: int, what: str) -> None:
@@ -26,11 +47,68 @@ def _check_len(seq_len: int, layout: str, world_size: int, what: str) -> None:
                          f"{world_size} ranks")
 
 
-def sequence_positions(seq_len: int, *, algo: str, rank: int, world_size: int) -> torch.Tensor:
-    """LongTensor [seq_len // world_size]: the global token index of each local row of `rank`."""
+def document_offsets(cu_seqlens, *, unit: int = 1, total: int | None = None, why: str = "") -> tuple[int, ...]:
+    """`cu_seqlens` (a 1-D integer tensor or sequence: 0, then non-decreasing cumulative lengths) as host ints,
+    checked: every document's length a multiple of `unit`, the last boundary `total` when given. ValueError
+    naming cu_seqlens otherwise; `why` names the unit in the message. A CUDA tensor costs one device sync."""
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point() or cu_seqlens.is_complex():
+            raise ValueError(f"cu_seqlens must be a 1-D integer tensor [n_docs + 1], got {cu_seqlens.dtype} "
+                             f"{tuple(cu_seqlens.shape)}")
+        offs = tuple(int(x) for x in cu_seqlens.tolist())
+    else:
+        try:
+            offs = tuple(int(x) for x in cu_seqlens)
+        except TypeError:
+            raise ValueError(f"cu_seqlens must be a 1-D integer tensor [n_docs + 1], got {type(cu_seqlens).__name__}") \
+                from None
+    if len(offs) < 2 or offs[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0 and hold at least one document, got {list(offs[:8])}")
+    for i in range(len(offs) - 1):
+        n = offs[i + 1] - offs[i]
+        if n < 0:
+            raise ValueError(f"cu_seqlens must be non-decreasing: document {i} has length {n}")
+        if n % unit:
+            raise ValueError(f"cu_seqlens: document {i} (tokens {offs[i]}..{offs[i + 1] - 1}) has length {n}, not a "
+                             f"multiple of {unit}{why}; pad each document to a multiple of {unit} "
+                             f"(megatron_cp_plugin.pad_documents)")
+    if total is not None and offs[-1] != total:
+        raise ValueError(f"cu_seqlens[-1] = {offs[-1]} must equal the packed sequence length {total}")
+    return offs
+
+
+def _unit_words(algo: str, world_size: int) -> str:
+    layout = layout_of(algo)
+    return f" ({'2 x' if layout == 'zigzag' else ''} {world_size} ranks: the {layout} unit of algo={algo!r})"
+
+
+def _packed_positions(offs: tuple[int, ...], layout: str, rank: int, world: int) -> torch.Tensor:
+    """Global token index of each local row: document by document, each in `layout`, on `rank` of `world`."""
+    offs_t = torch.tensor(offs, dtype=torch.long)
+    lens = offs_t[1:] - offs_t[:-1]
+    local = lens // world                                      # rows per document on every rank
+    doc = torch.repeat_interleave(torch.arange(len(lens)), local)
+    k = torch.arange(int(local.sum())) - (torch.cumsum(local, 0) - local)[doc]   # row within its document
+    if world == 1:
+        pos = k
+    elif layout == "cyclic":
+        pos = rank + k * world
+    else:                                                      # chunks r and 2P-1-r of the document
+        half = (local // 2)[doc]
+        pos = torch.where(k < half, rank * half + k, (2 * world - 1 - rank) * half + (k - half))
+    return offs_t[:-1][doc] + pos
+
+
+def sequence_positions(seq_len: int, *, algo: str, rank: int, world_size: int, cu_seqlens=None) -> torch.Tensor:
+    """LongTensor [seq_len // world_size]: the global token index of each local row of `rank`. With `cu_seqlens`
+    (int32 [n_docs + 1], cu_seqlens[-1] == seq_len) every document is laid out on its own."""
     layout = layout_of(algo)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+    if cu_seqlens is not None:
+        offs = document_offsets(cu_seqlens, unit=document_unit(algo, world_size), total=seq_len,
+                                why=_unit_words(algo, world_size))
+        return _packed_positions(offs, layout, rank, world_size)
     _check_len(seq_len, layout, world_size, "seq_len")
     if layout == "cyclic":
         return torch.arange(rank, seq_len, world_size)
@@ -39,24 +117,55 @@ def sequence_positions(seq_len: int, *, algo: str, rank: int, world_size: int) -
     return torch.cat([first, first + (2 * world_size - 1 - 2 * rank) * c])
 
 
-def shard_sequence(x: torch.Tensor, *, algo: str, group=None, dim: int = 1) -> torch.Tensor:
-    """This rank's shard of the full tensor `x` (same on every rank) along `dim`, in the layout of `algo`."""
+def shard_sequence(x: torch.Tensor, *, algo: str, group=None, dim: int = 1, cu_seqlens=None) -> torch.Tensor:
+    """This rank's shard of the full tensor `x` (same on every rank) along `dim`, in the layout of `algo`; with
+    `cu_seqlens` (packed documents along `dim`) each document in that layout."""
     group = resolve_group(group)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    layout = layout_of(algo)
-    _check_len(x.shape[dim], layout, world, f"x.shape[{dim}]")
-    pos = sequence_positions(x.shape[dim], algo=algo, rank=rank, world_size=world).to(x.device)
-    return x.index_select(dim, pos)
+    if cu_seqlens is None:
+        _check_len(x.shape[dim], layout_of(algo), world, f"x.shape[{dim}]")
+    pos = sequence_positions(x.shape[dim], algo=algo, rank=rank, world_size=world, cu_seqlens=cu_seqlens)
+    return x.index_select(dim, pos.to(x.device))
 
 
-def unshard_sequence(x: torch.Tensor, *, algo: str, group=None, dim: int = 1) -> torch.Tensor:
-    """All-gather every rank's shard `x` along `dim` and put the tokens back in sequence order."""
+def unshard_sequence(x: torch.Tensor, *, algo: str, group=None, dim: int = 1, cu_seqlens=None) -> torch.Tensor:
+    """All-gather every rank's shard `x` along `dim` and put the tokens back in sequence order (`cu_seqlens`:
+    as given to `shard_sequence`)."""
     group = resolve_group(group)
     world = dist.get_world_size(group)
     layout_of(algo)
+    seq_len = x.shape[dim] * world
+    pos = torch.cat([sequence_positions(seq_len, algo=algo, rank=r, world_size=world, cu_seqlens=cu_seqlens)
+                     for r in range(world)])                 # validated before the collective
     parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(world)]
     dist.all_gather(parts, x.contiguous(), group=group)
-    seq_len = x.shape[dim] * world
-    pos = torch.cat([sequence_positions(seq_len, algo=algo, rank=r, world_size=world) for r in range(world)])
     gathered = torch.cat(parts, dim)
     return torch.empty_like(gathered).index_copy_(dim, pos.to(x.device), gathered)
+
+
+# ------------------------------------------------------------------------------------------- padding
+def pad_documents(cu_seqlens, unit: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(padded cu_seqlens int32 [n_docs + 1], index LongTensor [total]): every document padded at its end to a
+    multiple of `unit` (`document_unit(algo, P)`); `index` is each original token's place in the padded
+    sequence. Padding after a document's last token leaves causal attention of its real tokens unchanged;
+    give the pads no loss (see `pad_packed`)."""
+    if unit < 1:
+        raise ValueError(f"unit must be a positive integer, got {unit}")
+    offs = torch.tensor(document_offsets(cu_seqlens), dtype=torch.long)
+    lens = offs[1:] - offs[:-1]
+    padded = (lens + unit - 1) // unit * unit
+    new = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(padded, 0)])
+    doc = torch.repeat_interleave(torch.arange(len(lens)), lens)
+    index = torch.arange(int(offs[-1])) - offs[:-1][doc] + new[:-1][doc]
+    return new.to(torch.int32), index
+
+
+def pad_packed(x: torch.Tensor, cu_seqlens, unit: int, *, dim: int = 1, value=0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x with every document padded to a multiple of `unit` along `dim` by `value`, padded cu_seqlens int32).
+    Pad tokens, labels with anything, the loss mask with 0; position ids of pads do not matter."""
+    new, index = pad_documents(cu_seqlens, unit)
+    if x.shape[dim] != index.numel():
+        raise ValueError(f"x.shape[{dim}] = {x.shape[dim]} must equal cu_seqlens[-1] = {index.numel()}")
+    shape = list(x.shape)
+    shape[dim] = int(new[-1])
+    return x.new_full(shape, value).index_copy_(dim, index.to(x.device), x), new

@@ -6,6 +6,8 @@ import torch.distributed as dist
 
 from ..comm import CommStats, CPGrid, get_grid, resolve_group
 from ..kernels.local_attn import select_backend
+from ..sharding import LAYOUTS, _unit_words, document_offsets, document_unit, layout_of
+from ._packing import Packing
 from .attention2d import attention2d_no
 from .attention2d_o import attention2d_o
 from .burst import burst_attention
@@ -13,19 +15,14 @@ from .ring import ring_attention
 
 _IMPLS = {"ring": ring_attention, "burst": burst_attention, "attention2d-no": attention2d_no,
           "attention2d-o": attention2d_o}
-_LAYOUTS = {"ring": "zigzag", "burst": "zigzag", "attention2d-no": "cyclic", "attention2d-o": "cyclic"}
 ALGORITHMS = tuple(_IMPLS)
+assert set(ALGORITHMS) == set(LAYOUTS), "every algorithm needs its layout in sharding.LAYOUTS"
+__all__ = ["ALGORITHMS", "context_parallel_attention", "layout_of"]
 
 
-def layout_of(algo: str) -> str:
-    """The sequence layout of `algo` ("zigzag" or "cyclic"); ValueError for an unknown algo."""
-    if algo not in _LAYOUTS:
-        raise ValueError(f"algo must be one of {ALGORITHMS}, got {algo!r}")
-    return _LAYOUTS[algo]
-
-
-def _check_inputs(q, k, v, algo, group, softmax_scale, backend):
-    """Every check that can fail, done locally before any communication so that no rank is left waiting."""
+def _check_inputs(q, k, v, algo, group, softmax_scale, backend, cu_seqlens):
+    """Every check that can fail, done locally before any communication so that no rank is left waiting.
+    Returns (group or grid, Packing or None)."""
     layout = layout_of(algo)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
@@ -50,27 +47,40 @@ def _check_inputs(q, k, v, algo, group, softmax_scale, backend):
     grid = group if isinstance(group, CPGrid) else None
     group = resolve_group(group)
     world = dist.get_world_size(group)
-    if layout == "zigzag" and s % 2 != 0:
+    packing = None
+    if cu_seqlens is not None:
+        if b != 1:
+            raise ValueError(f"cu_seqlens: packed sequences have batch 1 (documents are concatenated along seq), "
+                             f"got q {tuple(q.shape)}")
+        offs = document_offsets(cu_seqlens, unit=document_unit(algo, world), total=world * s,
+                                why=_unit_words(algo, world))
+        packing = Packing(offs, world)
+    elif layout == "zigzag" and s % 2 != 0:
         raise ValueError(f"q: the local sequence length {s} must be even: the full sequence (P * s = {world * s}) "
                          f"must be divisible by 2P = {2 * world} for the zigzag layout of algo={algo!r}")
-    select_backend(q.device, q.dtype, d, backend)
+    select_backend(q.device, q.dtype, d, backend, packed=packing is not None)
     if layout == "cyclic":
-        return grid or get_grid(group, h=h, h_kv=k.shape[2])
-    return group
+        return grid or get_grid(group, h=h, h_kv=k.shape[2]), packing
+    return group, packing
 
 
 def context_parallel_attention(q, k, v, *, algo: str, group=None, causal: bool = True,
-                               softmax_scale: float | None = None, backend: str | None = None,
+                               softmax_scale: float | None = None, cu_seqlens=None, backend: str | None = None,
                                comm_stats: CommStats | None = None) -> torch.Tensor:
     """Exact attention over a sequence sharded across `group`, differentiable.
 
     q [b, s_local, h, d]; k, v [b, s_local, h_kv, d] (h % h_kv == 0): this rank's shard in the layout of
     `algo` (see `shard_sequence`). Returns [b, s_local, h, d]. `group` may be a `CPGrid` (Attention2D's grid
-    over a group; the other algorithms use its group); for Attention2D a plain group gets `choose_grid`'s. `softmax_scale=None` means d ** -0.5;
+    over a group; the other algorithms use its group); for Attention2D a plain group gets `choose_grid`'s.
+    `softmax_scale=None` means d ** -0.5. `cu_seqlens` (int32 [n_docs + 1], or a sequence of ints: the
+    cumulative document boundaries of the whole packed sequence, the same on every rank; batch 1): packed
+    documents, each sharded on its own (`shard_sequence(..., cu_seqlens=)`); attention never crosses a document
+    boundary and `causal` applies inside each. Every length must be a multiple of `sharding.document_unit`
+    (2P zigzag, P cyclic). A CUDA tensor costs one device sync per call: pass host ints to avoid it.
     `backend` picks the local kernel (kernels.local_attn.BACKENDS, default by device and dtype);
     `comm_stats` (a CommStats) accumulates the bytes this rank sends, forward and backward.
     """
-    group = _check_inputs(q, k, v, algo, group, softmax_scale, backend)
+    group, packing = _check_inputs(q, k, v, algo, group, softmax_scale, backend, cu_seqlens)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     return _IMPLS[algo](q, k, v, group=group, causal=causal, softmax_scale=scale, backend=backend,
-                        comm_stats=comm_stats)
+                        comm_stats=comm_stats, packing=packing)

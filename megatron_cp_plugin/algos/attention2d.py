@@ -19,7 +19,9 @@ Causal masks without an S x S mask: a gathered Q chunk holds tokens a + mP (a = 
 K, V chunk tokens c + nP; key c + nP is visible to query a + mP iff n < m, or n == m and c <= a. So every
 (Q chunk, K chunk) pair is one triangle of the flash kernel: with its diagonal ("causal") when c <= a,
 without it ("causal_strict": causal on Q[1:], K[:-1]) when c > a. This holds for square and rectangular
-grids and for the node-aware rank placement alike; each rank computes its R x C pairs.
+grids and for the node-aware rank placement alike; each rank computes its R x C pairs. Packed sequences
+(each document cyclic on its own) keep this per document: every chunk holds 1/P of each document, so each pair
+is one varlen call over the documents, cu_seqlens / P, with the pair's mask inside each document.
 
 Attention2D-O (Alg. 4-11) overlaps the same communication with the computation: see `attention2d_o.py`.
 """
@@ -73,9 +75,10 @@ def attn_fix_reduce_scatter(grid: CPGrid, o_part, lse_part, stats=None):
     return o, lse
 
 
-def _forward(grid: CPGrid, q, k, v, *, causal, scale, backend, stats=None):
+def _forward(grid: CPGrid, q, k, v, *, causal, scale, backend, stats=None, packing=None):
     """q [b, s, h, d], k, v [b, s, h_kv, d] (cyclic shards) -> (o in q.dtype, saved (q, row-major kv, o, lse))."""
     R, C, acc = grid.rows, grid.cols, acc_dtype(q.dtype)
+    seg = packing.local if packing is not None else None          # every chunk holds 1/P of each document
     # Line 2: K, V to row-major ownership (packed: one all-to-all).
     kv = kv_to_row_major(grid, torch.stack([k, v]), stats)
     # Lines 3-4: Q gathered in the row, K, V in the column.
@@ -87,7 +90,8 @@ def _forward(grid: CPGrid, q, k, v, *, causal, scale, backend, stats=None):
     for c in range(C):
         for r in range(R):
             mask = pair_mask(grid.row_ranks[c], grid.kv_owner(r, grid.j), causal)
-            o_b, lse_b = block_fwd(q_all[c], kv_all[r, 0], kv_all[r, 1], mask=mask, scale=scale, backend=backend)
+            o_b, lse_b = block_fwd(q_all[c], kv_all[r, 0], kv_all[r, 1], mask=mask, scale=scale, backend=backend,
+                                   cu_seqlens_q=seg)
             if r == 0:
                 o_part[c].copy_(o_b)
                 lse_part[c].copy_(lse_b)
@@ -99,9 +103,10 @@ def _forward(grid: CPGrid, q, k, v, *, causal, scale, backend, stats=None):
     return o, (q, kv, o, lse)
 
 
-def _backward(grid: CPGrid, do, q, kv, o, lse, *, causal, scale, backend, stats=None):
+def _backward(grid: CPGrid, do, q, kv, o, lse, *, causal, scale, backend, stats=None, packing=None):
     """Alg. 3 from the saved row-major K, V `kv` [2, b, s, h_kv, d]: (dq, dk, dv) in the input dtype."""
     R, C, acc = grid.rows, grid.cols, acc_dtype(q.dtype)
+    seg = packing.local if packing is not None else None
     ph = "backward"
     # Lines 4-5: Q, dO, D, lse in the row; K, V in the column.
     delta = attention_delta(do, o)
@@ -116,7 +121,7 @@ def _backward(grid: CPGrid, do, q, kv, o, lse, *, causal, scale, backend, stats=
         for r in range(R):
             mask = pair_mask(grid.row_ranks[c], grid.kv_owner(r, grid.j), causal)
             dq_b, dk_b, dv_b = block_bwd(do_all[c], q_all[c], kv_all[r, 0], kv_all[r, 1], o_c, stat_all[c, 1],
-                                         mask=mask, scale=scale, backend=backend)
+                                         mask=mask, scale=scale, backend=backend, cu_seqlens_q=seg)
             dq_part[c].add_(dq_b)
             dkv_part[r, 0].add_(dk_b)
             dkv_part[r, 1].add_(dv_b)
@@ -128,6 +133,8 @@ def _backward(grid: CPGrid, do, q, kv, o, lse, *, causal, scale, backend, stats=
 
 
 def attention2d_no(q, k, v, *, group: CPGrid, causal: bool = True, softmax_scale: float, backend: str | None = None,
-                   comm_stats: CommStats | None = None):
-    """Attention2D-NO on validated cyclic shards: q [b, s, h, d], k, v [b, s, h_kv, d] -> [b, s, h, d]."""
-    return CPAttention.apply(q, k, v, _forward, _backward, group, causal, softmax_scale, backend, comm_stats)
+                   comm_stats: CommStats | None = None, packing=None):
+    """Attention2D-NO on validated cyclic shards: q [b, s, h, d], k, v [b, s, h_kv, d] -> [b, s, h, d]
+    (`packing`: the `_packing.Packing` of a packed sequence, each document cyclic on its own)."""
+    return CPAttention.apply(q, k, v, _forward, _backward, group, causal, softmax_scale, backend, comm_stats,
+                             packing)

@@ -13,12 +13,18 @@ Backward (Alg. 8): Q, dO, D, lse go round the row; GthrCmptBwd (Alg. 9) gathers 
 doing the own Q block; GthrCmptSctrBwd (Alg. 10) does the others, passing the dQ accumulators round the row;
 in its last pass CmptSctrBwd (Alg. 11) takes the K, V chunks in ring order and sends each chunk's finished
 dK, dV accumulator down the column while computing the next (the column reduce-scatter); line 9 moves dK,
-dV back to column-major. With one grid row the own pass is the last pass and does both.
+dV back to column-major. With one grid column (C = 1) the own pass is the last pass and does both.
 
 Bytes per rank (n_q = b s h d, n_kv = b s h_kv d, n_r = b h s; e = element size; accumulators fp32):
   forward  perm + (C-1) (n_q e + (n_q + n_r) 4) + (R-1) 2 n_kv e
   backward perm + (C-1) (2 n_q e + 2 n_r 4 + n_q 4) + (R-1) 2 n_kv (e + 4)
 where perm = 2 n_kv e when the placement moves K, V (see `comm.attention2d_bytes`).
+
+Indices (this rank is processor p_{i,j} of the R x C grid): pass t = 0 .. C-1 computes with the Q block that has
+made t hops round the row ring, that of grid column (j - t) mod C; inside a pass, hop u = 0 .. R-1 takes the
+K, V chunk that has made u hops round the column ring, that of grid row (i - u) mod R (during pass 0 it is
+just arriving; later passes read the chunks pass 0 kept). Packed sequences: every (Q block, K, V chunk) pair
+is one varlen call over the documents, cu_seqlens / P (`Packing.local`), with the pair's mask in each.
 """
 from __future__ import annotations
 
@@ -37,35 +43,38 @@ def _rings(grid: CPGrid, phase: str, stats):
     return row, col
 
 
-def _forward(grid: CPGrid, q, k, v, *, causal, scale, backend, stats=None):
+def _forward(grid: CPGrid, q, k, v, *, causal, scale, backend, stats=None, packing=None):
     """q [b, s, h, d], k, v [b, s, h_kv, d] (cyclic shards) -> (o in q.dtype, saved (q, row-major kv, o, lse))."""
     R, C, i, j, acc = grid.rows, grid.cols, grid.i, grid.j, acc_dtype(q.dtype)
-    kv = kv_to_row_major(grid, torch.stack([k, v]), stats)                   # line 2
+    seg = packing.local if packing is not None else None
+    kv = kv_to_row_major(grid, torch.stack([k, v]), stats)                   # Alg. 4 line 2
     q_ring, kv_ring = _rings(grid, "forward", stats)
     o_ring, _ = _rings(grid, "forward", stats)
-    kv_all, q_blk, own, incoming = [None] * R, q, None, None
-    kv_all[i] = kv
-    for t in range(C):                               # t = 0: GthrCmpt; t >= 1: GthrCmptSctr
-        if t + 1 < C:
-            q_next = q_ring.send_recv((q_blk,))      # line 4 / Alg. 6 line 4
-        q_res = grid.row_ranks[(j - t) % C]
+    kv_chunks = [None] * R                           # K, V chunk of every grid row, filled by pass 0 (Alg. 5)
+    kv_chunks[i] = kv
+    q_blk, own, incoming = q, None, None
+    for t in range(C):                               # t = 0: GthrCmpt (Alg. 5); t >= 1: GthrCmptSctr (Alg. 6)
+        if t + 1 < C:                                # Alg. 4 line 4 / Alg. 6 line 4: pass the Q block on
+            q_next = q_ring.send_recv((q_blk,))
+        q_res = grid.row_ranks[(j - t) % C]          # Q block in hand: column (j - t)'s, tokens = q_res mod P
         o_t = lse_t = None
         for u in range(R):
-            r = (i - u) % R                          # K, V chunk of grid row r
-            if t == 0 and u + 1 < R:
-                kv_next = kv_ring.send_recv((kv_all[r],))                       # Alg. 5 line 4
-            o_b, lse_b = block_fwd(q_blk, kv_all[r][0], kv_all[r][1], mask=pair_mask(q_res, grid.kv_owner(r, j),
-                                   causal), scale=scale, backend=backend)       # Alg. 5 line 5 / Alg. 6 line 5
+            kv_row = (i - u) % R                     # K, V chunk in hand: grid row (i - u)'s
+            if t == 0 and u + 1 < R:                 # Alg. 5 line 4: pass it up the column while computing
+                kv_next = kv_ring.send_recv((kv_chunks[kv_row],))
+            mask = pair_mask(q_res, grid.kv_owner(kv_row, j), causal)
+            o_b, lse_b = block_fwd(q_blk, kv_chunks[kv_row][0], kv_chunks[kv_row][1], mask=mask, scale=scale,
+                                   backend=backend, cu_seqlens_q=seg)           # Alg. 5 / 6 line 5
             if o_t is None:
                 o_t, lse_t = o_b.to(acc), lse_b.clone()
             else:
-                merge_(o_t, lse_t, o_b, lse_b)                                  # Alg. 5 line 6
-            if t == 0 and u + 1 < R:
+                merge_(o_t, lse_t, o_b, lse_b)                                  # Alg. 5 line 6: AttnFix
+            if t == 0 and u + 1 < R:                 # the next hop's chunk (grid row i - u - 1) has arrived
                 kv_ring.wait()
-                kv_all[(r - 1) % R] = kv_next[0]
+                kv_chunks[(kv_row - 1) % R] = kv_next[0]
         if t == 0:
-            own = (o_t, lse_t)
-        else:                                        # Alg. 6 lines 7-8: AttnFix with what came from the ring
+            own = (o_t, lse_t)                       # our own queries' partial: merged last (Alg. 4 line 8)
+        else:                                        # Alg. 6 lines 7-8: AttnFix with what came round the row
             if incoming is not None:
                 o_ring.wait()
                 merge_(o_t, lse_t, *incoming)
@@ -81,47 +90,49 @@ def _forward(grid: CPGrid, q, k, v, *, causal, scale, backend, stats=None):
     return o, (q, kv, o, lse)
 
 
-def _backward(grid: CPGrid, do, q, kv, o, lse, *, causal, scale, backend, stats=None):
+def _backward(grid: CPGrid, do, q, kv, o, lse, *, causal, scale, backend, stats=None, packing=None):
     """Alg. 8 from the saved row-major K, V `kv` [2, b, s, h_kv, d]: (dq, dk, dv) in the input dtype."""
     R, C, i, j, acc = grid.rows, grid.cols, grid.i, grid.j, acc_dtype(q.dtype)
+    seg = packing.local if packing is not None else None
     q_ring, kv_ring = _rings(grid, "backward", stats)
     dq_ring, dkv_ring = _rings(grid, "backward", stats)
-    blk = (q, do, attention_delta(do, o), lse)                                 # line 2-4: D_i, then the ring
-    kv_all = [None] * R
-    kv_all[i] = kv
-    dkv_part = torch.zeros((R,) + tuple(kv.shape), dtype=acc, device=q.device)
+    blk = (q, do, attention_delta(do, o), lse)                                 # Alg. 8 lines 2-4: D, then the ring
+    kv_chunks = [None] * R
+    kv_chunks[i] = kv
+    dkv_part = torch.zeros((R,) + tuple(kv.shape), dtype=acc, device=q.device)   # dK, dV of every chunk here
     dq_in = dkv_in = None
-    for t in range(C):                               # t = 0: GthrCmptBwd; t >= 1: GthrCmptSctrBwd
-        if t + 1 < C:
+    for t in range(C):                               # t = 0: GthrCmptBwd (Alg. 9); t >= 1: GthrCmptSctrBwd (10)
+        if t + 1 < C:                                # pass (Q, dO, D, lse) on round the row
             nxt = q_ring.send_recv(blk)
         q_j, do_j, delta_j, lse_j = blk
         o_j = surrogate_out(do_j, delta_j)           # O never travels: built once for the R key chunks
-        q_res = grid.row_ranks[(j - t) % C]
-        last = t == C - 1
+        q_res = grid.row_ranks[(j - t) % C]          # Q block in hand: column (j - t)'s, tokens = q_res mod P
+        last = t == C - 1                            # the last pass also reduce-scatters dK, dV (Alg. 11)
         dq_t = torch.zeros(q.shape, dtype=acc, device=q.device)
-        # The last pass takes chunks i-1, i-2, ... and its own last, so every chunk's dK, dV is final just
-        # when its turn in the column reduce-scatter comes (Alg. 11); the own pass takes them as they arrive.
-        us = list(range(R)) if t == 0 else list(range(1, R)) + [0]
-        for u in us:
-            r = (i - u) % R
-            if t == 0 and u + 1 < R:
-                kv_next = kv_ring.send_recv((kv_all[r],))                       # Alg. 9 line 4
-            dq_b, dk_b, dv_b = block_bwd(do_j, q_j, kv_all[r][0], kv_all[r][1], o_j, lse_j,
-                                         mask=pair_mask(q_res, grid.kv_owner(r, j), causal), scale=scale,
-                                         backend=backend)
+        # Hops in order: pass 0 takes the chunks as they arrive (u = 0, 1, ...); the other passes take rows
+        # i-1, i-2, ... and their own row last, so that every chunk's dK, dV is final just when its turn in
+        # the column reduce-scatter comes (Alg. 11).
+        hops = list(range(R)) if t == 0 else list(range(1, R)) + [0]
+        for u in hops:
+            kv_row = (i - u) % R                     # K, V chunk of grid row (i - u)
+            if t == 0 and u + 1 < R:                 # Alg. 9 line 4: pass it up the column while computing
+                kv_next = kv_ring.send_recv((kv_chunks[kv_row],))
+            mask = pair_mask(q_res, grid.kv_owner(kv_row, j), causal)
+            dq_b, dk_b, dv_b = block_bwd(do_j, q_j, kv_chunks[kv_row][0], kv_chunks[kv_row][1], o_j, lse_j,
+                                         mask=mask, scale=scale, backend=backend, cu_seqlens_q=seg)
             dq_t.add_(dq_b)
-            dkv_part[r, 0].add_(dk_b)
-            dkv_part[r, 1].add_(dv_b)
-            if last and u > 0:                       # Alg. 11 line 14: chunk r is final here; pass it on
+            dkv_part[kv_row, 0].add_(dk_b)
+            dkv_part[kv_row, 1].add_(dv_b)
+            if last and u > 0:                       # Alg. 11 line 14: chunk kv_row is final here; pass it on
                 if dkv_in is not None:
                     dkv_ring.wait()
-                    dkv_part[r].add_(dkv_in[0])
-                dkv_in = dkv_ring.send_recv((dkv_part[r],))
-            if t == 0 and u + 1 < R:
+                    dkv_part[kv_row].add_(dkv_in[0])
+                dkv_in = dkv_ring.send_recv((dkv_part[kv_row],))
+            if t == 0 and u + 1 < R:                 # the next hop's chunk (grid row i - u - 1) has arrived
                 kv_ring.wait()
-                kv_all[(r - 1) % R] = kv_next[0]
+                kv_chunks[(kv_row - 1) % R] = kv_next[0]
         if t == 0:
-            dq_own = dq_t
+            dq_own = dq_t                            # our own queries' dQ: completed at the end
         else:                                        # Alg. 10: the dQ accumulator of this Q block moves on
             if dq_in is not None:
                 dq_ring.wait()
@@ -130,18 +141,20 @@ def _backward(grid: CPGrid, do, q, kv, o, lse, *, causal, scale, backend, stats=
         if t + 1 < C:
             q_ring.wait()
             blk = nxt
-    if C > 1:
+    if C > 1:                                        # our dQ accumulator came home round the row
         dq_ring.wait()
         dq_own.add_(dq_in[0])
     dkv = dkv_part[i]
-    if R > 1:
+    if R > 1:                                        # our chunk's dK, dV came home round the column
         dkv_ring.wait()
         dkv = dkv + dkv_in[0]
-    dkv = kv_to_row_major(grid, dkv.to(q.dtype), stats, "backward", inverse=True)   # line 9
+    dkv = kv_to_row_major(grid, dkv.to(q.dtype), stats, "backward", inverse=True)   # Alg. 8 line 9
     return dq_own.to(q.dtype), dkv[0], dkv[1]
 
 
 def attention2d_o(q, k, v, *, group: CPGrid, causal: bool = True, softmax_scale: float, backend: str | None = None,
-                  comm_stats: CommStats | None = None):
-    """Attention2D-O on validated cyclic shards: q [b, s, h, d], k, v [b, s, h_kv, d] -> [b, s, h, d]."""
-    return CPAttention.apply(q, k, v, _forward, _backward, group, causal, softmax_scale, backend, comm_stats)
+                  comm_stats: CommStats | None = None, packing=None):
+    """Attention2D-O on validated cyclic shards: q [b, s, h, d], k, v [b, s, h_kv, d] -> [b, s, h, d]
+    (`packing`: the `_packing.Packing` of a packed sequence, each document cyclic on its own)."""
+    return CPAttention.apply(q, k, v, _forward, _backward, group, causal, softmax_scale, backend, comm_stats,
+                             packing)

@@ -22,13 +22,13 @@ from __future__ import annotations
 import torch
 
 from ..comm import CommStats, Ring
-from ..kernels.local_attn import acc_dtype, attention_delta, block_bwd
-from ._function import CPAttention, saving_inputs
-from ._zigzag import zigzag_pair
+from ..kernels.local_attn import acc_dtype, attention_delta, block_bwd, surrogate_out
+from ._function import CPAttention, in_zigzag_order, saving_inputs
+from ._zigzag import zigzag_blocks
 from .ring import _forward
 
 
-def _backward(group, do, q, k, v, o, lse, *, causal, scale, backend, stats=None):
+def _backward(group, do, q, k, v, o, lse, *, causal, scale, backend, stats=None, packing=None):
     """Alg. 2: gradients (dq, dk, dv) in the input dtype; K, V never leave this rank."""
     ring_q, ring_dq = Ring(group, "backward", stats), Ring(group, "backward", stats)
     P, r, s = ring_q.world, ring_q.rank, q.shape[1]
@@ -44,23 +44,33 @@ def _backward(group, do, q, k, v, o, lse, *, causal, scale, backend, stats=None)
             nxt = ring_q.send_recv(blk)
         src = (r - step) % P                                    # owner of the Q block in hand
         q_j, do_j, delta_j, lse_j = blk
-        qs, ks, mask = zigzag_pair(src, r, s, causal)
-        # Lines 8-14 with a flash kernel: P = exp(QK^T - lse_j), dV += P^T dO, dS = P o (dO V^T - D), ...
-        dq_b, dk_b, dv_b = block_bwd(do_j[:, qs], q_j[:, qs], k[:, ks], v[:, ks], o[:, qs] if step == 0 else None,
-                                     lse_j[:, :, qs], delta=delta_j[:, :, qs], mask=mask, scale=scale,
-                                     backend=backend)
-        dk[:, ks].add_(dk_b)
-        dv[:, ks].add_(dv_b)
-        if step == 0:
-            dq_own = dq_b.to(acc)                               # own block: kept here, added at the end
-        else:
-            # The accumulator of Q block src holds the contributions of ranks src+1 .. r-1 (none at step 1).
-            if dq_in is None:
-                dq_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dq_blocks, surrogates = [], {}                          # surrogate O of Q rows qs, once per step
+        for qs, ks, mask, seg in zigzag_blocks(src, r, s, causal, packing):
+            if step == 0:
+                o_j = o[:, qs]
             else:
-                ring_dq.wait()
-                (dq_acc,) = dq_in
+                key = (qs.start, qs.stop)
+                if key not in surrogates:
+                    surrogates[key] = surrogate_out(do_j[:, qs], delta_j[:, :, qs])
+                o_j = surrogates[key]
+            # Lines 8-14 with a flash kernel: P = exp(QK^T - lse_j), dV += P^T dO, dS = P o (dO V^T - D), ...
+            dq_b, dk_b, dv_b = block_bwd(do_j[:, qs], q_j[:, qs], k[:, ks], v[:, ks], o_j, lse_j[:, :, qs],
+                                         mask=mask, scale=scale, backend=backend, cu_seqlens_q=seg)
+            dk[:, ks].add_(dk_b)
+            dv[:, ks].add_(dv_b)
+            dq_blocks.append((qs, dq_b))
+        if step == 0 or dq_in is None:
+            # Own block (step 0): kept here, added at the end. Else the accumulator of Q block src holds the
+            # contributions of ranks src+1 .. r-1: none at step 1.
+            dq_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
+        else:
+            ring_dq.wait()                                      # after the compute: the transfer overlapped it
+            (dq_acc,) = dq_in
+        for qs, dq_b in dq_blocks:
             dq_acc[:, qs].add_(dq_b)
+        if step == 0:
+            dq_own = dq_acc
+        else:
             dq_in = ring_dq.send_recv((dq_acc,))                # line 16 for dQ_j
         if step + 1 < P:
             ring_q.wait()
@@ -72,7 +82,8 @@ def _backward(group, do, q, k, v, o, lse, *, causal, scale, backend, stats=None)
 
 
 def burst_attention(q, k, v, *, group, causal: bool = True, softmax_scale: float, backend: str | None = None,
-                    comm_stats: CommStats | None = None):
-    """BurstAttention on validated zigzag shards: q [b, s, h, d], k, v [b, s, h_kv, d] -> [b, s, h, d]."""
-    return CPAttention.apply(q, k, v, saving_inputs(_forward), _backward, group, causal, softmax_scale, backend,
-                             comm_stats)
+                    comm_stats: CommStats | None = None, packing=None):
+    """BurstAttention on validated zigzag shards: q [b, s, h, d], k, v [b, s, h_kv, d] -> [b, s, h, d]
+    (`packing`: the `_packing.Packing` of a packed sequence, each document zigzagged on its own)."""
+    return in_zigzag_order(packing, causal, q, k, v, lambda q, k, v: CPAttention.apply(
+        q, k, v, saving_inputs(_forward), _backward, group, causal, softmax_scale, backend, comm_stats, packing))

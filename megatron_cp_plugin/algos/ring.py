@@ -17,11 +17,11 @@ import torch
 from ..comm import CommStats, Ring
 from ..kernels.local_attn import acc_dtype, block_bwd, block_fwd
 from ..kernels.merge import merge_
-from ._function import CPAttention, saving_inputs
-from ._zigzag import zigzag_pair
+from ._function import CPAttention, in_zigzag_order, saving_inputs
+from ._zigzag import ALL, zigzag_blocks
 
 
-def _forward(group, q, k, v, *, causal, scale, backend, stats=None):
+def _forward(group, q, k, v, *, causal, scale, backend, stats=None, packing=None):
     """q [b, s, h, d], k, v [b, s, h_kv, d] (zigzag shards) -> (o [b, s, h, d] in q.dtype, lse [b, h, s] fp32)."""
     ring = Ring(group, "forward", stats)
     P, r, s = ring.world, ring.rank, q.shape[1]
@@ -32,19 +32,23 @@ def _forward(group, q, k, v, *, causal, scale, backend, stats=None):
         if step + 1 < P:
             nxt = ring.send_recv(kv)
         src = (r - step) % P                                    # owner of the K, V block in hand
-        qs, ks, mask = zigzag_pair(r, src, s, causal)
-        o_blk, lse_blk = block_fwd(q[:, qs], kv[0][:, ks], kv[1][:, ks], mask=mask, scale=scale, backend=backend)
-        if o is None:                                           # step 0: own block, all rows
-            o, lse = o_blk.to(acc_dtype(q.dtype)), lse_blk.clone()
-        else:                                                   # online-softmax merge (Alg. 1, lines 13-16)
-            merge_(o[:, qs], lse[:, :, qs], o_blk, lse_blk)
+        for qs, ks, mask, seg in zigzag_blocks(r, src, s, causal, packing):
+            o_blk, lse_blk = block_fwd(q[:, qs], kv[0][:, ks], kv[1][:, ks], mask=mask, scale=scale,
+                                       backend=backend, cu_seqlens_q=seg)
+            if o is None and qs == ALL:                         # step 0's one block covers every row
+                o, lse = o_blk.to(acc_dtype(q.dtype)), lse_blk.clone()
+                continue
+            if o is None:                                       # packed: step 0 comes in pieces
+                o = torch.zeros(q.shape, dtype=acc_dtype(q.dtype), device=q.device)
+                lse = torch.full(lse_blk.shape[:2] + (s,), float("-inf"), dtype=o.dtype, device=q.device)
+            merge_(o[:, qs], lse[:, :, qs], o_blk, lse_blk)     # online-softmax merge (Alg. 1, lines 13-16)
         if step + 1 < P:
             ring.wait()
             kv = nxt
     return o.to(q.dtype), lse
 
 
-def _backward(group, do, q, k, v, o, lse, *, causal, scale, backend, stats=None):
+def _backward(group, do, q, k, v, o, lse, *, causal, scale, backend, stats=None, packing=None):
     """Gradients (dq, dk, dv) in the input dtype, from the global o, lse of this rank's query rows."""
     ring_kv, ring_dkv = Ring(group, "backward", stats), Ring(group, "backward", stats)
     P, r, s = ring_kv.world, ring_kv.rank, q.shape[1]
@@ -56,22 +60,26 @@ def _backward(group, do, q, k, v, o, lse, *, causal, scale, backend, stats=None)
         if step + 1 < P:
             nxt = ring_kv.send_recv(kv)
         src = (r - step) % P
-        qs, ks, mask = zigzag_pair(r, src, s, causal)
-        dq_b, dk_b, dv_b = block_bwd(do[:, qs], q[:, qs], kv[0][:, ks], kv[1][:, ks], o[:, qs], lse[:, :, qs],
-                                     mask=mask, scale=scale, backend=backend)
-        dq[:, qs].add_(dq_b)
-        if step == 0:
-            dk_own, dv_own = dk_b.to(acc), dv_b.to(acc)         # own block: kept here, added at the end
+        dkv_blocks = []
+        for qs, ks, mask, seg in zigzag_blocks(r, src, s, causal, packing):
+            dq_b, dk_b, dv_b = block_bwd(do[:, qs], q[:, qs], kv[0][:, ks], kv[1][:, ks], o[:, qs], lse[:, :, qs],
+                                         mask=mask, scale=scale, backend=backend, cu_seqlens_q=seg)
+            dq[:, qs].add_(dq_b)
+            dkv_blocks.append((ks, dk_b, dv_b))
+        if step == 0 or dkv_in is None:
+            # Own block (step 0): kept here, added at the end. Else the accumulator of block src holds the
+            # contributions of ranks src+1 .. r-1: none at step 1.
+            dk_acc = torch.zeros(k.shape, dtype=acc, device=k.device)
+            dv_acc = torch.zeros_like(dk_acc)
         else:
-            # The accumulator of block src holds the contributions of ranks src+1 .. r-1 (none at step 1).
-            if dkv_in is None:
-                dk_acc = torch.zeros(k.shape, dtype=acc, device=k.device)
-                dv_acc = torch.zeros_like(dk_acc)
-            else:
-                ring_dkv.wait()
-                dk_acc, dv_acc = dkv_in
+            ring_dkv.wait()                                     # after the compute: the transfer overlapped it
+            dk_acc, dv_acc = dkv_in
+        for ks, dk_b, dv_b in dkv_blocks:
             dk_acc[:, ks].add_(dk_b)
             dv_acc[:, ks].add_(dv_b)
+        if step == 0:
+            dk_own, dv_own = dk_acc, dv_acc
+        else:
             # Pass it on (rank r+1 holds block src next step); receive the accumulator of the next block.
             dkv_in = ring_dkv.send_recv((dk_acc, dv_acc))
         if step + 1 < P:
@@ -85,7 +93,8 @@ def _backward(group, do, q, k, v, o, lse, *, causal, scale, backend, stats=None)
 
 
 def ring_attention(q, k, v, *, group, causal: bool = True, softmax_scale: float, backend: str | None = None,
-                   comm_stats: CommStats | None = None):
-    """Zigzag ring attention on validated shards: q [b, s, h, d], k, v [b, s, h_kv, d] -> [b, s, h, d]."""
-    return CPAttention.apply(q, k, v, saving_inputs(_forward), _backward, group, causal, softmax_scale, backend,
-                             comm_stats)
+                   comm_stats: CommStats | None = None, packing=None):
+    """Zigzag ring attention on validated shards: q [b, s, h, d], k, v [b, s, h_kv, d] -> [b, s, h, d]
+    (`packing`: the `_packing.Packing` of a packed sequence, each document zigzagged on its own)."""
+    return in_zigzag_order(packing, causal, q, k, v, lambda q, k, v: CPAttention.apply(
+        q, k, v, saving_inputs(_forward), _backward, group, causal, softmax_scale, backend, comm_stats, packing))

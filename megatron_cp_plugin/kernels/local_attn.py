@@ -4,6 +4,14 @@
     block_bwd(do, q, k, v, o, lse, mask=..., scale=...)     -> (dq [b, sq, h, d], dk, dv [b, sk, h_kv, d])
     decode_fwd(q, k, v, kv_positions=..., q_positions=...)  -> decode-step partial (o, lse), fp32
 
+Packed blocks (b = 1): `cu_seqlens_q`, `cu_seqlens_k` (a `segments.Segments`, or int cu_seqlens) cut the rows
+into segments (documents); query segment i attends to key segment i only and the mask applies inside each
+pair. One varlen kernel call per block, never one per document: aten's `_flash_attention_forward/backward`
+with cum_seq (FA2 in torch), flash-attn's `_flash_attn_varlen_*`, or the math kernel with a segment mask.
+cuDNN's varlen entry point is not used (torch's own varlen attention leaves it off; it takes no GQA).
+"causal_strict" runs as causal over q[1:], k[:-1] with a 1 x 1 dummy segment between documents whose result is
+discarded (`segments.strict_view`), for every backend, so the CPU tests run what the GPUs run.
+
 q [b, sq, h, d]; k, v [b, sk, h_kv, d] with h % h_kv == 0 (GQA: K, V are never expanded, every backend
 reads the grouped heads directly). `lse` in block_bwd is the *global* lse of the query rows, and `o` their
 global output (or `delta` = rowsum(dO * o) in its place), so the backward of any block can be recomputed
@@ -38,7 +46,8 @@ import warnings
 import torch
 
 from . import flash_decode as fd
-from .merge import _finite, merge_
+from .math_attn import _empty_result, acc_dtype, attention_delta, math_bwd, math_fwd, math_segments
+from .segments import Segments, nonempty, strict_view
 
 MASKS = ("none", "causal", "causal_strict")
 BACKENDS = ("cudnn", "flash", "flash_attn", "math")
@@ -55,10 +64,13 @@ def _flash_attn_module():
     return fai
 
 
-def _unsupported(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
-    """Why `backend` cannot run this block, or None when it can."""
+def _unsupported(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int,
+                 packed: bool = False) -> str | None:
+    """Why `backend` cannot run this block (`packed`: with cu_seqlens), or None when it can."""
     if backend == "math":
         return None
+    if packed and backend == "cudnn":
+        return "has no varlen (packed, cu_seqlens) path here: use 'flash' or 'flash_attn'"
     if device.type != "cuda":
         return f"needs a CUDA tensor, got device {device}"
     if dtype not in (torch.float16, torch.bfloat16):
@@ -77,13 +89,15 @@ def _unsupported(backend: str, device: torch.device, dtype: torch.dtype, head_di
     return None
 
 
-def select_backend(device: torch.device, dtype: torch.dtype, head_dim: int, backend: str | None = None) -> str:
+def select_backend(device: torch.device, dtype: torch.dtype, head_dim: int, backend: str | None = None, *,
+                   packed: bool = False) -> str:
     """The backend to use: `backend` when given (ValueError if it cannot run this), else by device and dtype:
-    cuDNN on Hopper and newer (fastest measured), flash-attn when importable, FA2-in-torch, then math."""
+    cuDNN on Hopper and newer (fastest measured), flash-attn when importable, FA2-in-torch, then math.
+    `packed` (cu_seqlens): the varlen entry points, flash-attn's or FA2-in-torch's, then math."""
     if backend is not None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
-        why = _unsupported(backend, device, dtype, head_dim)
+        why = _unsupported(backend, device, dtype, head_dim, packed)
         if why:
             raise ValueError(f"backend={backend!r} cannot run this attention: it {why}")
         return backend
@@ -92,7 +106,7 @@ def select_backend(device: torch.device, dtype: torch.dtype, head_dim: int, back
         hopper = torch.cuda.get_device_capability(device)[0] >= 9
         order = (["cudnn", "flash_attn", "flash"] if hopper else ["flash_attn", "flash", "cudnn"]) + order
     for name in order:
-        if _unsupported(name, device, dtype, head_dim) is None:
+        if _unsupported(name, device, dtype, head_dim, packed) is None:
             if name == "math" and device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
                 warnings.warn(f"no fused attention kernel for head dim {head_dim}: using the slow math kernel",
                               stacklevel=3)
@@ -115,16 +129,19 @@ def _check(q, k, v, mask):
 
 # ----------------------------------------------------------------------------------------- public
 def block_fwd(q, k, v, *, mask: str = "none", scale: float | None = None, backend: str | None = None,
-              chunk_size: int = MATH_CHUNK):
-    """Attention of q over k, v with `mask`: (o [b, sq, h, d] in q.dtype, lse [b, h, sq] fp32; fp64 for fp64)."""
+              chunk_size: int = MATH_CHUNK, cu_seqlens_q=None, cu_seqlens_k=None):
+    """Attention of q over k, v with `mask`: (o [b, sq, h, d] in q.dtype, lse [b, h, sq] fp32; fp64 for fp64).
+    cu_seqlens_q / _k: packed segments of the rows (b = 1; see the module docstring); _k defaults to _q."""
     _check(q, k, v, mask)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if cu_seqlens_q is not None or cu_seqlens_k is not None:
+        return _varlen_fwd(q, k, v, mask, scale, backend, chunk_size, *_pair(q, k, mask, cu_seqlens_q, cu_seqlens_k))
     if isinstance(mask, torch.Tensor):                # forward only (decoding): the math kernel takes any mask
         if backend not in (None, "math"):
             raise ValueError(f"backend={backend!r} cannot run a tensor mask; use backend='math' or None")
         if q.shape[1] == 0 or k.shape[1] == 0:
             return _empty_result(q)
-        return _math_fwd(q, k, v, mask, scale, chunk_size)
+        return math_fwd(q, k, v, mask, scale, chunk_size)
     backend = select_backend(q.device, q.dtype, q.shape[-1], backend)
     sq = q.shape[1]
     if mask == "causal_strict":
@@ -139,21 +156,25 @@ def block_fwd(q, k, v, *, mask: str = "none", scale: float | None = None, backen
 
 
 def block_bwd(do, q, k, v, o, lse, *, mask: str = "none", scale: float | None = None, backend: str | None = None,
-              delta: torch.Tensor | None = None, chunk_size: int = MATH_CHUNK):
+              delta: torch.Tensor | None = None, chunk_size: int = MATH_CHUNK, cu_seqlens_q=None, cu_seqlens_k=None):
     """Gradients of one block from the global (o, lse) of its query rows.
 
     do, o [b, sq, h, d]; lse [b, h, sq] fp32 (global); delta [b, h, sq] fp32 = rowsum(do * o) may replace o
     (o=None), as BurstAttention circulates D instead of O: the kernel then gets surrogate_out(do, delta).
     Every backend derives D from the O it is handed. Returns (dq, dk, dv): fp32/fp64 from math, the input
-    dtype from the fused kernels (which accumulate in fp32 inside).
+    dtype from the fused kernels (which accumulate in fp32 inside). cu_seqlens_q / _k: as in block_fwd.
     """
     _check(q, k, v, mask)
     if o is None and delta is None:
         raise ValueError("block_bwd needs o or delta")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    backend = select_backend(q.device, q.dtype, q.shape[-1], backend)
+    packed = cu_seqlens_q is not None or cu_seqlens_k is not None
+    segs = _pair(q, k, mask, cu_seqlens_q, cu_seqlens_k) if packed else None
+    backend = select_backend(q.device, q.dtype, q.shape[-1], backend, packed=packed)
     if o is None:
         o = surrogate_out(do, delta)
+    if packed:
+        return _varlen_bwd(do, q, k, v, o, lse, mask, scale, backend, chunk_size, *segs)
     if mask == "causal_strict":
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         if q.shape[1] > 1:
@@ -163,6 +184,62 @@ def block_bwd(do, q, k, v, o, lse, *, mask: str = "none", scale: float | None = 
     if q.shape[1] == 0 or k.shape[1] == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     return _BWD[backend](do, q, k, v, o, lse, mask == "causal", scale, chunk_size)
+
+
+# ----------------------------------------------------------------------------------------- packed
+def _pair(q, k, mask, cu_q, cu_k) -> tuple[Segments, Segments]:
+    """Validated (query, key) segments of a packed block."""
+    if isinstance(mask, torch.Tensor):
+        raise ValueError("a tensor mask cannot be combined with cu_seqlens")
+    sq = Segments.of(cu_q if cu_q is not None else cu_k)
+    sk = Segments.of(cu_k if cu_k is not None else cu_q)
+    if q.shape[0] != 1:
+        raise ValueError(f"cu_seqlens: packed blocks have batch 1, got q {tuple(q.shape)}")
+    if sq.rows != q.shape[1] or sk.rows != k.shape[1] or sq.count != sk.count:
+        raise ValueError(f"cu_seqlens_q must end at sq = {q.shape[1]} and cu_seqlens_k at sk = {k.shape[1]}, with as "
+                         f"many segments; got {sq.count} ending at {sq.rows} and {sk.count} ending at {sk.rows}")
+    if mask != "none" and sq != sk:
+        raise ValueError(f"mask={mask!r} with cu_seqlens needs equal query and key segments")
+    return sq, sk
+
+
+def _varlen_fwd(q, k, v, mask, scale, backend, chunk, sq: Segments, sk: Segments):
+    backend = select_backend(q.device, q.dtype, q.shape[-1], backend, packed=True)
+    if mask == "causal_strict":
+        o, lse = _empty_result(q)
+        if sq.rows > 1:
+            view, dead = strict_view(sq)
+            o_v, lse_v = _VARLEN_FWD[backend](q[:, 1:], k[:, :-1], v[:, :-1], view, view, True, scale, chunk)
+            if dead:                                        # the dummy rows between documents see nothing
+                idx = torch.tensor(dead, device=q.device)
+                o_v[:, idx] = 0
+                lse_v[:, :, idx] = float("-inf")
+            o[:, 1:], lse[:, :, 1:] = o_v, lse_v
+        return o, lse
+    sq, sk = nonempty(sq, sk)
+    if sq.rows == 0 or sk.rows == 0:
+        return _empty_result(q)
+    return _VARLEN_FWD[backend](q, k, v, sq, sk, mask == "causal", scale, chunk)
+
+
+def _varlen_bwd(do, q, k, v, o, lse, mask, scale, backend, chunk, sq: Segments, sk: Segments):
+    if mask == "causal_strict":
+        if sq.rows <= 1:
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        view, dead = strict_view(sq)
+        lse_v = lse[:, :, 1:]
+        if dead:                                            # P = exp(S - inf) = 0: the dummies add nothing
+            lse_v = lse_v.clone()
+            lse_v[:, :, torch.tensor(dead, device=q.device)] = float("inf")
+        g = _VARLEN_BWD[backend](do[:, 1:], q[:, 1:], k[:, :-1], v[:, :-1], o[:, 1:], lse_v, view, view, True, scale,
+                                 chunk)
+        out = tuple(x.new_zeros(t.shape) for x, t in zip(g, (q, k, v)))
+        out[0][:, 1:], out[1][:, :-1], out[2][:, :-1] = g
+        return out
+    sq, sk = nonempty(sq, sk)
+    if sq.rows == 0 or sk.rows == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    return _VARLEN_BWD[backend](do, q, k, v, o, lse, sq, sk, mask == "causal", scale, chunk)
 
 
 def surrogate_out(do: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
@@ -194,13 +271,7 @@ def surrogate_out(do: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     return out.scatter_(-1, idx, torch.cat(vals, -1)).to(do.dtype)
 
 
-def attention_delta(do: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-    """D = rowsum(dO * O) in fp32 (fp64 for fp64): [b, s, h, d] x2 -> [b, h, s]."""
-    acc = acc_dtype(o.dtype)
-    return (do.to(acc) * o.to(acc)).sum(-1).transpose(1, 2).contiguous()
-
-
-# ----------------------------------------------------------------------------------------- math
+# ----------------------------------------------------------------------------------------- decode
 DECODE_BACKENDS = ("triton", *BACKENDS)
 
 
@@ -235,81 +306,6 @@ def decode_fwd(q, k, v, *, scale: float | None = None, kv_positions: torch.Tenso
         vis = vis & (kv[:, None, :] <= q_positions[:, :, None])
     o, lse = block_fwd(q, k, v, mask=vis, scale=scale, backend=None if backend == "math" else backend)
     return o.to(acc), lse.to(acc)
-
-
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Accumulator (and lse) dtype for inputs of `dtype`: fp64 for fp64, fp32 otherwise."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _empty_result(q):
-    """(o, lse) of rows that see no key: o = 0, lse = -inf."""
-    b, sq, h, _ = q.shape
-    return torch.zeros_like(q), torch.full((b, h, sq), float("-inf"), dtype=acc_dtype(q.dtype), device=q.device)
-
-
-def _scores(qc, kc, scale, causal, i0, j0):
-    """qc [b, cq, hk, g, d], kc [b, ck, hk, d] -> masked scores [b, hk, g, cq, ck]; `causal` is a bool or a
-    visibility tensor [b, sq, sk] of the whole block."""
-    s = torch.einsum("bqhgd,bkhd->bhgqk", qc, kc) * scale
-    if isinstance(causal, torch.Tensor):
-        vis = causal[:, i0:i0 + qc.shape[1], j0:j0 + kc.shape[1]]
-        s = s.masked_fill(~vis[:, None, None], float("-inf"))
-    elif causal:
-        qi = torch.arange(i0, i0 + qc.shape[1], device=qc.device)
-        kj = torch.arange(j0, j0 + kc.shape[1], device=qc.device)
-        s = s.masked_fill(kj[None, :] > qi[:, None], float("-inf"))
-    return s
-
-
-def _math_fwd(q, k, v, causal, scale, chunk):
-    b, sq, h, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
-    g, acc = h // hk, acc_dtype(q.dtype)
-    o = torch.zeros(b, sq, h, d, dtype=acc, device=q.device)
-    lse = torch.full((b, h, sq), float("-inf"), dtype=acc, device=q.device)
-    for i0 in range(0, sq, chunk):
-        i1 = min(i0 + chunk, sq)
-        qc = q[:, i0:i1].to(acc).reshape(b, i1 - i0, hk, g, d)
-        for j0 in range(0, min(sk, i1) if causal is True else sk, chunk):
-            j1 = min(j0 + chunk, sk)
-            s = _scores(qc, k[:, j0:j1].to(acc), scale, causal, i0, j0)
-            m = _finite(s.amax(-1, keepdim=True))
-            p = torch.exp(s - m)
-            l = p.sum(-1)                                                     # [b, hk, g, cq]
-            oc = torch.einsum("bhgqk,bkhd->bqhgd", p, v[:, j0:j1].to(acc))
-            oc = oc / l.clamp_min(torch.finfo(acc).tiny).permute(0, 3, 1, 2).unsqueeze(-1)
-            lc = (m.squeeze(-1) + torch.log(l)).reshape(b, h, i1 - i0)
-            merge_(o[:, i0:i1], lse[:, :, i0:i1], oc.reshape(b, i1 - i0, h, d), lc)
-    return o.to(q.dtype), lse
-
-
-def _math_bwd(do, q, k, v, o, lse, causal, scale, chunk):
-    b, sq, h, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
-    g, acc = h // hk, acc_dtype(q.dtype)
-    delta = attention_delta(do, o)                  # from O, as the fused kernels do
-    # Rows that saw no key anywhere have lse = -inf and all scores -inf: +inf makes exp(s - lse) = 0.
-    lse_b = torch.where(torch.isinf(lse), torch.full_like(lse, float("inf")), lse).to(acc)
-    dq = torch.zeros(b, sq, hk, g, d, dtype=acc, device=q.device)
-    dk = torch.zeros(b, sk, hk, d, dtype=acc, device=q.device)
-    dv = torch.zeros(b, sk, hk, d, dtype=acc, device=q.device)
-    for i0 in range(0, sq, chunk):
-        i1 = min(i0 + chunk, sq)
-        qc = q[:, i0:i1].to(acc).reshape(b, i1 - i0, hk, g, d)
-        doc = do[:, i0:i1].to(acc).reshape(b, i1 - i0, hk, g, d)
-        lc = lse_b[:, :, i0:i1].reshape(b, hk, g, i1 - i0, 1)
-        dc = delta[:, :, i0:i1].to(acc).reshape(b, hk, g, i1 - i0, 1)
-        for j0 in range(0, min(sk, i1) if causal else sk, chunk):
-            j1 = min(j0 + chunk, sk)
-            kc, vc = k[:, j0:j1].to(acc), v[:, j0:j1].to(acc)
-            p = torch.exp(_scores(qc, kc, scale, causal, i0, j0) - lc)           # P = exp(S - lse)
-            dv[:, j0:j1] += torch.einsum("bhgqk,bqhgd->bkhd", p, doc)           # dV += P^T dO
-            dp = torch.einsum("bqhgd,bkhd->bhgqk", doc, vc)                     # dP = dO V^T
-            ds = p * (dp - dc) * scale                                          # dS = P o (dP - D)
-            dq[:, i0:i1] += torch.einsum("bhgqk,bkhd->bqhgd", ds, kc)           # dQ += dS K
-            dk[:, j0:j1] += torch.einsum("bhgqk,bqhgd->bkhd", ds, qc)           # dK += dS^T Q
-    return dq.reshape(b, sq, h, d), dk, dv
 
 
 # ----------------------------------------------------------------------------------------- fused
@@ -386,5 +382,65 @@ def _fa_bwd(do, q, k, v, o, lse, causal, scale, _chunk):
     return dq, dk, dv
 
 
-_FWD = {"cudnn": _cudnn_fwd, "flash": _flash_fwd, "flash_attn": _fa_fwd, "math": _math_fwd}
-_BWD = {"cudnn": _cudnn_bwd, "flash": _flash_bwd, "flash_attn": _fa_bwd, "math": _math_bwd}
+# Varlen: q, k, v [1, s, h, d] -> the kernels' [total, h, d]; lse [h, total] (FA2 >= 2.4, unpadded).
+def _lse_out(lse):
+    """A row whose key segment is empty comes back with lse = +inf (FA2's convention); ours is -inf."""
+    return torch.where(lse == float("inf"), torch.full_like(lse, float("-inf")), lse)[None]
+
+
+def _lse_in(lse):
+    """Our -inf rows (saw no key) as FA2's backward wants them: +inf, so that P = exp(S - lse) = 0."""
+    lse = lse[0]
+    return torch.where(lse == float("-inf"), torch.full_like(lse, float("inf")), lse).contiguous()
+
+
+def _thd(*xs):
+    return tuple(x[0].contiguous() for x in xs)
+
+
+def _flash_varlen_fwd(q, k, v, sq, sk, causal, scale, _chunk):
+    dev = q.device
+    r = torch.ops.aten._flash_attention_forward(*_thd(q, k, v), sq.cu(dev), sk.cu(dev), sq.max_len, sk.max_len,
+                                                0.0, causal, False, scale=scale)
+    return r[0][None], _lse_out(r[1])
+
+
+def _flash_varlen_bwd(do, q, k, v, o, lse, sq, sk, causal, scale, _chunk):
+    dev = q.device
+    rng = torch.zeros(2, dtype=torch.uint64, device=dev)         # dropout 0: never read, as in _flash_bwd
+    unused = torch.empty((), dtype=torch.uint64, device=dev)
+    g = torch.ops.aten._flash_attention_backward(*_thd(do, q, k, v, o), _lse_in(lse), sq.cu(dev), sk.cu(dev),
+                                                 sq.max_len, sk.max_len, 0.0, causal, rng, unused, scale=scale)
+    return tuple(x[None] for x in g)
+
+
+def _fa_varlen_fwd(q, k, v, sq, sk, causal, scale, _chunk):
+    fn, dev = _flash_attn_module()._flash_attn_varlen_forward, q.device
+    r = fn(*_thd(q, k, v), sq.cu(dev), sk.cu(dev), sq.max_len, sk.max_len, return_softmax=False,
+           **_fa_kwargs(fn, causal, scale))
+    return r[0][None], _lse_out(r[1])
+
+
+def _fa_varlen_bwd(do, q, k, v, o, lse, sq, sk, causal, scale, _chunk):
+    fn, dev = _flash_attn_module()._flash_attn_varlen_backward, q.device
+    do3, q3, k3, v3, o3 = _thd(do, q, k, v, o)
+    dq, dk, dv = torch.empty_like(q3), torch.empty_like(k3), torch.empty_like(v3)
+    kw = _fa_kwargs(fn, causal, scale)
+    if "deterministic" in inspect.signature(fn).parameters:
+        kw["deterministic"] = False
+    fn(do3, q3, k3, v3, o3, _lse_in(lse), dq, dk, dv, sq.cu(dev), sk.cu(dev), sq.max_len, sk.max_len, **kw)
+    return dq[None], dk[None], dv[None]
+
+
+def _math_varlen_fwd(q, k, v, sq, sk, causal, scale, chunk):
+    return math_fwd(q, k, v, causal, scale, chunk, math_segments(sq, sk, q.device))
+
+
+def _math_varlen_bwd(do, q, k, v, o, lse, sq, sk, causal, scale, chunk):
+    return math_bwd(do, q, k, v, o, lse, causal, scale, chunk, math_segments(sq, sk, q.device))
+
+
+_FWD = {"cudnn": _cudnn_fwd, "flash": _flash_fwd, "flash_attn": _fa_fwd, "math": math_fwd}
+_BWD = {"cudnn": _cudnn_bwd, "flash": _flash_bwd, "flash_attn": _fa_bwd, "math": math_bwd}
+_VARLEN_FWD = {"flash": _flash_varlen_fwd, "flash_attn": _fa_varlen_fwd, "math": _math_varlen_fwd}
+_VARLEN_BWD = {"flash": _flash_varlen_bwd, "flash_attn": _fa_varlen_bwd, "math": _math_varlen_bwd}
