@@ -16,6 +16,9 @@
   "dp_reshardable" buffers, copies over it the step the loading state dict was built with (kept there as a
   non-persistent object), i.e. 0. `restore_adam_steps` puts the saved step back (TE's and Apex's Adam keep no
   per-parameter step, so Megatron-LM's usual GPU set-up does not meet this).
+- The "dp_reshardable" layout saves the gaps between parameters in the flat buffers as `torch.empty`
+  tensors: the files then hold whatever memory was there, and two identical runs write different bytes.
+  `zero_dp_reshardable_padding` zeroes them, so that checkpoints of equal states are equal files.
 - `DistributedOptimizer.load_state_dict` copies fp32 main parameters into views of leaf parameters that
   require grad; without `torch.no_grad()` autograd refuses (fp32 training: the CPU path). The trainer loads
   under no_grad.
@@ -89,3 +92,21 @@ def restore_adam_steps(optimizer) -> None:
             if "step" in group:
                 for p in group["params"]:
                     opt.optimizer.state[p]["step"] = torch.tensor(float(group["step"]))
+
+
+def zero_dp_reshardable_padding(optim_sd) -> None:
+    """Zero the padding entries (marked 'padding': True) of a dp_reshardable optimizer sharded state dict."""
+    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedTensor
+
+    if isinstance(optim_sd, dict):
+        pad = optim_sd.get("padding")
+        if isinstance(pad, LocalNonpersistentObject) and pad.obj is True:
+            for v in optim_sd.values():
+                if isinstance(v, ShardedTensor):
+                    v.data.zero_()
+            return
+        for v in optim_sd.values():
+            zero_dp_reshardable_padding(v)
+    elif isinstance(optim_sd, list):
+        for v in optim_sd:
+            zero_dp_reshardable_padding(v)

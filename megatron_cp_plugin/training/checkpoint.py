@@ -23,21 +23,32 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .config import sharding_strategy
+
 TRACKER = "latest_checkpointed_iteration.txt"
 INFO = "megatron_cp_plugin.json"
 MODEL_PREFIX = "model."        # dist_checkpointing keys "model.<name>" (what megatron-cp-generate loads)
 
 
-def _layout(trainer) -> dict:
-    """What a checkpoint must match to be loaded into this run."""
-    return {"format": "fsdp_dtensor" if trainer.fsdp else "torch_dist",
-            "distributed_optimizer": trainer.distributed_optimizer, "fsdp": trainer.fsdp}
+def layout_of(args) -> dict:
+    """What a checkpoint must match to be loaded into a run with these flags."""
+    fsdp = sharding_strategy(args)
+    return {"format": "fsdp_dtensor" if fsdp else "torch_dist",
+            "distributed_optimizer": bool(args.use_distributed_optimizer or fsdp), "fsdp": fsdp}
 
 
 def _describe(layout: dict) -> str:
     if layout.get("fsdp"):
         return f"--use-megatron-fsdp --data-parallel-sharding-strategy {layout['fsdp']}"
     return "--use-distributed-optimizer" if layout.get("distributed_optimizer") else "Megatron's DDP optimizer"
+
+
+def model_args(trainer) -> dict:
+    """The model's shape, recorded so that megatron-cp-generate --load needs no model flags."""
+    a = trainer.args
+    return {"num_layers": a.num_layers, "hidden_size": a.hidden_size, "num_attention_heads": a.num_attention_heads,
+            "num_query_groups": a.num_query_groups, "ffn_hidden_size": a.ffn_hidden_size or 4 * a.hidden_size,
+            "vocab_size": trainer.tokenizer.vocab_size}
 
 
 def rng_state(gpu: bool) -> dict:
@@ -78,9 +89,13 @@ def _torch_dist_state(trainer, loading: bool) -> dict:
     # tensor-parallel rank is saved, as Megatron-LM does; every rank of that TP rank reads it back.
     rng = ShardedObject("rng_state", rng_state(trainer.gpu), (trainer.tp_size,), (trainer.tp_rank,),
                         replica_id=trainer.dp_cp_group.rank())
-    return {"model": model, "optimizer": trainer.optimizer.sharded_state_dict(model, is_loading=loading, metadata=md),
+    optimizer = trainer.optimizer.sharded_state_dict(model, is_loading=loading, metadata=md)
+    if not loading:
+        from ..megatron.compat import zero_dp_reshardable_padding
+        zero_dp_reshardable_padding(optimizer)
+    return {"model": model, "optimizer": optimizer,
             "scheduler": trainer.scheduler.state_dict(), "iteration": trainer.iteration, "rng_state": rng,
-            "args_seq_length": trainer.args.seq_length}
+            "args_seq_length": trainer.args.seq_length, "model_args": model_args(trainer)}
 
 
 def _fsdp_state(trainer, loading: bool) -> tuple[dict, set]:
@@ -96,7 +111,8 @@ def _fsdp_state(trainer, loading: bool) -> tuple[dict, set]:
     sd["optimizer"] = trainer.optimizer.sharded_state_dict(sd, is_loading=loading, metadata=md)
     padded = even_fsdp_optimizer_state(trainer.optimizer, sd["optimizer"])
     sd.update(scheduler=trainer.scheduler.state_dict(), iteration=trainer.iteration,
-              rng_state={f"tp{trainer.tp_rank}": rng_state(trainer.gpu)}, args_seq_length=trainer.args.seq_length)
+              rng_state={f"tp{trainer.tp_rank}": rng_state(trainer.gpu)}, args_seq_length=trainer.args.seq_length,
+              model_args=model_args(trainer))
     preprocess_state_dict_for_uneven_dtensor(sd)       # shard offsets of unevenly split DTensors
     return sd, padded
 
@@ -120,7 +136,7 @@ def save_checkpoint(trainer) -> str:
     dist.barrier()
     if dist.get_rank() == 0:
         with open(os.path.join(path, INFO), "w") as f:
-            json.dump({**_layout(trainer), "iteration": trainer.iteration}, f)
+            json.dump({**layout_of(trainer.args), "iteration": trainer.iteration}, f)
         with open(os.path.join(args.save, TRACKER), "w") as f:
             f.write(str(trainer.iteration))
     return path
@@ -139,22 +155,29 @@ def checkpoint_dir(load: str) -> str:
     return path
 
 
-def load_checkpoint(trainer) -> None:
-    """Restore --load's latest checkpoint into trainer (model, optimizer, schedule, iteration, generators)."""
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.validation import StrictHandling
-
-    path = checkpoint_dir(trainer.args.load)
+def check_resumable(args) -> str:
+    """The checkpoint directory --load names, after checking (files only, before any collective) that this
+    run's flags can load it; ValueError naming the flags otherwise."""
+    path = checkpoint_dir(args.load)
+    now = layout_of(args)
     info_path = os.path.join(path, INFO)
     if os.path.exists(info_path):
         with open(info_path) as f:
             saved = json.load(f)
     else:                                              # written before the info file existed: DDP, torch_dist
-        saved = {"format": "torch_dist", "distributed_optimizer": trainer.distributed_optimizer, "fsdp": None}
-    now = _layout(trainer)
+        saved = {"format": "torch_dist", "distributed_optimizer": now["distributed_optimizer"], "fsdp": None}
     if {k: saved.get(k) for k in now} != now:
-        raise ValueError(f"--load {trainer.args.load}: the checkpoint was written with {_describe(saved)}; "
-                         f"this run uses {_describe(now)} (resume with the same flags)")
+        raise ValueError(f"--load {args.load}: the checkpoint was written with {_describe(saved)}; this run uses "
+                         f"{_describe(now)} (resume with the same flags)")
+    return path
+
+
+def load_checkpoint(trainer) -> None:
+    """Restore --load's latest checkpoint into trainer (model, optimizer, schedule, iteration, generators)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    path = check_resumable(trainer.args)
     if trainer.fsdp:
         import torch.distributed.checkpoint as dcp
 
@@ -162,7 +185,11 @@ def load_checkpoint(trainer) -> None:
         loaded, padded = _fsdp_state(trainer, loading=True)
         dcp.load(loaded, checkpoint_id=path)           # strict: every requested key must be in the checkpoint
         drop_fsdp_padding(loaded["optimizer"], padded)
-        trainer.model.module.load_state_dict(loaded["model"], strict=True)   # its hook copies main -> model
+        # Keys are "module.<GPT name>" with or without Float16Module (its state_dict drops its own prefix, so
+        # MegatronFSDP's load_state_dict would not find them): load into the GPT by its own names, strictly,
+        # then copy the fp32 main weights into the model's (bf16) compute weights.
+        trainer.gpt.load_state_dict({k.removeprefix("module."): v for k, v in loaded["model"].items()}, strict=True)
+        trainer.model.module.install_optimized_model_weights()
         rng = loaded["rng_state"][f"tp{trainer.tp_rank}"]
     else:
         from ..megatron.compat import init_adam_state_for_loading

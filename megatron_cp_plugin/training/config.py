@@ -220,8 +220,6 @@ def validate_args(args, world: int):
         raise ValueError("--num-attention-heads must be divisible by --num-query-groups")
     if args.max_position_embeddings is not None and args.max_position_embeddings < args.seq_length:
         raise ValueError("--max-position-embeddings must be at least --seq-length")
-    if args.bf16 and not torch.cuda.is_available():
-        raise ValueError("--bf16 needs GPUs (the CPU path trains in fp32)")
     strategy = getattr(args, "data_parallel_sharding_strategy", None)
     if strategy is not None and not getattr(args, "use_megatron_fsdp", False):
         raise ValueError(f"--data-parallel-sharding-strategy {strategy} needs --use-megatron-fsdp (without it: "

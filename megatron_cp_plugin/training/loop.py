@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from . import report
+from .checkpoint import check_resumable
 from .config import recompute_kwargs, sharding_strategy, validate_args
 from .trainer import Trainer
 
@@ -25,6 +26,8 @@ def train(args) -> list[float]:
 
     world, rank = dist.get_world_size(), dist.get_rank()
     cp_cfg = validate_args(args, world)
+    if args.load:
+        check_resumable(args)                          # a checkpoint of another layout fails here, not mid-load
     gpu = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
     if not gpu:

@@ -72,7 +72,13 @@ class Trainer:
             model_parallel_cuda_manual_seed(args.seed)
         model = build_gpt(config, cp_cfg, vocab_size=self.tokenizer.vocab_size,
                           seq_length=args.max_position_embeddings or args.seq_length, cp_group=self.cp_group)
+        self.gpt = model                               # the GPTModel inside the wrappers
         self.n_params = sum(p.numel() for p in model.parameters())
+        if args.bf16:
+            # As Megatron-LM: every parameter in bf16 (Megatron's local RMSNorm would keep fp32 weights, and
+            # the distributed optimizer's checkpoint mapping assumes one dtype per buffer), fp32 outputs.
+            from megatron.core.transformer.module import Float16Module
+            model = Float16Module(config, model)
         self.model = self._wrap(config, model.to(device))
         self.optimizer = get_megatron_optimizer(OptimizerConfig(
             optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay, bf16=args.bf16,
@@ -99,12 +105,6 @@ class Trainer:
         # optim_grads_params gathers each TransformerLayer's parameters just before it runs (the adapter's
         # default unit); the embedding and output layer stay in the root unit.
         return FullyShardedDataParallel(config, ddp_config, model, device=self.device)
-
-    @property
-    def gpt(self):
-        """The GPTModel inside the data-parallel wrapper."""
-        module = self.model.module
-        return module.module if self.fsdp else module   # FSDP: adapter -> MegatronFSDP -> GPTModel
 
     def _loss(self, batch):
         from ..megatron.batch import cp_token_mean_loss, shard_batch
