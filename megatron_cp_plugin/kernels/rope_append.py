@@ -83,9 +83,9 @@ if triton is not None:
             xp = tl.load(src + partner, mask=rot, other=0.0).to(tl.float32)
             dst = KC + bi * skcb + slot * skct + (j - H) * skch
             tl.store(dst + dims, tl.where(rot, x * c + xp * s, x).to(KC.dtype.element_ty))
-        else:
-            x = tl.load(V + bi * svb + (j - H - H_KV) * svh + dims)
-            tl.store(VC + bi * svcb + slot * svct + (j - H - H_KV) * svch + dims, x)
+        else:   # a name of its own: Triton merges same-named values of the branches and needs one dtype
+            row = tl.load(V + bi * svb + (j - H - H_KV) * svh + dims)
+            tl.store(VC + bi * svcb + slot * svct + (j - H - H_KV) * svch + dims, row)
 
 
 def rope_append(q, k, v, cos, sin, slot, k_cache, v_cache, *, out=None, backend: str | None = None):
