@@ -54,6 +54,28 @@ def test_resume_from_step_10_gives_the_same_losses(cp1_losses, tmp_path):
     assert max(abs(a - b) for a, b in zip(losses, cp1_losses)) <= 1e-4, list(zip(losses, cp1_losses))
 
 
+@pytest.fixture(scope="module")
+def cp1_short(tmp_path_factory):
+    log = tmp_path_factory.mktemp("cp1s") / "log.jsonl"
+    _pretrain("--train-iters", "5", "--log-json", str(log))
+    return _losses(log)
+
+
+# Every algorithm and every sharding strategy once; the last run shards over data-parallel x CP = 2 x 2.
+@pytest.mark.parametrize("algo,strategy,nproc", [("ring", "optim_grads_params", 2), ("burst", "optim_grads", 2),
+                                                 ("attention2d-no", "optim", 2), ("attention2d-o", "optim_grads_params", 4)])
+def test_megatron_fsdp_with_every_algorithm_tracks_cp1(cp1_short, tmp_path, algo, strategy, nproc):
+    log = tmp_path / "log.jsonl"
+    flags = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", strategy, "--context-parallel-algo", algo]
+    if nproc == 4:                                    # CP 2 x DP 2, the same global batch as CP = 1
+        flags += ["--context-parallel-size", "2", "--micro-batch-size", "1", "--global-batch-size", "2"]
+    r = _pretrain("--train-iters", "5", *flags, "--log-json", str(log), nproc=nproc)
+    assert f"Megatron-FSDP {strategy}" in r.stdout
+    losses = _losses(log)
+    assert len(losses) == 5
+    assert max(abs(a - b) for a, b in zip(losses, cp1_short)) <= 1e-4, list(zip(losses, cp1_short))
+
+
 def test_trains_on_preprocessed_bin_idx(tmp_path):
     text = tmp_path / "corpus.txt"
     text.write_text("\n".join(f"document {i}: the quick brown fox jumps over the lazy dog " * 3 for i in range(200)))
@@ -73,7 +95,8 @@ def test_trains_on_preprocessed_bin_idx(tmp_path):
     (["--cp-grid", "2x1", "--context-parallel-algo", "ring"], "--cp-grid"),
     (["--seq-length", "250", "--context-parallel-algo", "ring"], "--seq-length"),
     (["--context-parallel-size", "3"], "--context-parallel-size"),
-    (["--bf16"], "--bf16"),
+    (["--data-parallel-sharding-strategy", "optim"], "--use-megatron-fsdp"),
+    (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "no_shard"], "no_shard"),
 ])
 def test_bad_flags_fail_at_start_up_on_every_rank(flags, needle):
     r = _pretrain(*flags, "--train-iters", "2", nproc=2, timeout=120, check=False)
