@@ -79,7 +79,8 @@ def document_offsets(cu_seqlens, *, unit: int = 1, total: int | None = None, why
 
 def _unit_words(algo: str, world_size: int) -> str:
     layout = layout_of(algo)
-    return f" ({'2 x' if layout == 'zigzag' else ''} {world_size} ranks: the {layout} unit of algo={algo!r})"
+    ranks = f"2 x {world_size} ranks" if layout == "zigzag" else f"{world_size} ranks"
+    return f" ({ranks}: the {layout} unit of algo={algo!r})"
 
 
 def _packed_positions(offs: tuple[int, ...], layout: str, rank: int, world: int) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Every algorithm against an fp64 reference of the unsharded problem, on gloo with P = 1..9 processes."""
+"""Every algorithm against an fp64 reference of the unsharded problem, on gloo with P = 1..9 processes; packed
+sequences (cu_seqlens) against the fp64 varlen reference."""
 from __future__ import annotations
 
 import itertools
@@ -153,6 +154,88 @@ def test_attention2d_no_and_o_agree(pools, world):
     assert max(pools(world).run(_no_vs_o)) <= 1e-6
 
 
+# ------------------------------------------------------------------------------------------- packed sequences
+DOC_UNITS = (9, 1, 1, 0, 2, 1, 3, 1, 1)   # document lengths in units: one long, many short, the minimum, an empty one
+
+
+def _packed_inputs(world, algo, h, hk, d, dtype, seed):
+    unit = mcp.document_unit(algo, world)
+    cu = torch.tensor([0] + list(itertools.accumulate(unit * n for n in DOC_UNITS)), dtype=torch.int32)
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, do = (torch.randn(1, int(cu[-1]), n, d, generator=g).to(dtype) for n in (h, hk, hk, h))
+    return cu, q, k, v, do
+
+
+def _packed_case(rank, world, algo, dtype, causal, h, hk, seed, group=None):
+    """One packed problem against the fp64 varlen reference of the whole sequence: o and the three gradients
+    on this rank's shard, fp32 to 1e-5, bf16 within 2x the single-device varlen kernel's error."""
+    cu, q, k, v, do = _packed_inputs(world, algo, h, hk, 16, dtype, seed)
+    mask = "causal" if causal else "none"
+    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
+    o_ref, _ = attention_reference(qr, kr, vr, mask=mask, cu_seqlens_q=cu)
+    grads_ref = torch.autograd.grad(o_ref, (qr, kr, vr), do.double())
+    shard = lambda t: mcp.shard_sequence(t, algo=algo, cu_seqlens=cu).detach()  # noqa: E731
+    ql, kl, vl = (shard(t).requires_grad_() for t in (q, k, v))
+    o = mcp.context_parallel_attention(ql, kl, vl, algo=algo, causal=causal, group=group, cu_seqlens=cu)
+    o.backward(shard(do))
+    got = {"o": o, "dq": ql.grad, "dk": kl.grad, "dv": vl.grad}
+    ref = dict(zip(got, (shard(t) for t in (o_ref.detach(),) + grads_ref)))
+    if dtype == torch.float32:
+        tol, metric = {n: 1e-5 for n in got}, _rel
+    else:
+        o1, lse1 = block_fwd(q, k, v, mask=mask, cu_seqlens_q=cu)
+        single = (o1,) + tuple(block_bwd(do, q, k, v, o1, lse1, mask=mask, cu_seqlens_q=cu))
+        tol, metric = {n: 2 * _rel_l2(shard(x.to(dtype)), ref[n]) for n, x in zip(got, single)}, _rel_l2
+    bad = []
+    for n in got:
+        err = metric(got[n], ref[n])
+        if got[n].dtype != dtype or got[n].shape != ref[n].shape or not err <= tol[n]:
+            bad.append(f"packed {algo} P={world} rank {rank} {dtype} causal={causal} h={h}/{hk}: {n} rel err "
+                       f"{err:.3g} > {tol[n]:.3g}")
+    return bad
+
+
+def _packed_cases(rank, world, algo, dtype, grid=None):
+    group = mcp.CPGrid(dist.group.WORLD, *grid) if grid else None
+    bad = []
+    for i, (causal, (h, hk)) in enumerate(itertools.product((True, False), HEADS)):
+        bad += _packed_case(rank, world, algo, dtype, causal, h, hk, seed=500 * world + i, group=group)
+    assert not bad, "\n".join(bad)
+    return True
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("world,algo", [(w, a) for a in mcp.ALGORITHMS for w in WORLD_SIZES])
+def test_packed_matches_fp64_varlen_reference(pools, world, algo, dtype):
+    """Issue 18: documents of very different lengths (one long, many short, one of the minimum size, an empty
+    one), each sharded on its own; attention never crosses a document; causal and not, MHA and GQA."""
+    assert all(pools(world).run(_packed_cases, algo, dtype, timeout=120))
+
+
+@pytest.mark.parametrize("algo", ["attention2d-no", "attention2d-o"])
+@pytest.mark.parametrize("world,grid", [(4, (1, 4, None)), (4, (4, 1, None)), (4, (2, 2, 2)), (6, (2, 3, 3))])
+def test_packed_attention2d_explicit_grids(pools, world, grid, algo):
+    assert all(pools(world).run(_packed_cases, algo, torch.float32, grid, timeout=120))
+
+
+def _packed_positions(rank, world, algo, cu):
+    x = torch.arange(2 * int(cu[-1]), dtype=torch.float32).reshape(1, -1, 2)
+    local = mcp.shard_sequence(x, algo=algo, cu_seqlens=cu)
+    assert torch.equal(mcp.unshard_sequence(local, algo=algo, cu_seqlens=cu), x)
+    return mcp.sequence_positions(int(cu[-1]), algo=algo, rank=rank, world_size=world, cu_seqlens=cu).tolist()
+
+
+@pytest.mark.parametrize("algo", ["ring", "attention2d-no"])
+def test_packed_layout_is_per_document(pools, algo):
+    """Zigzag per document is TransformerEngine's THD layout (chunks r and 2P-1-r of every document); cyclic per
+    document deals each document's tokens round the ranks from its own first token."""
+    cu = torch.tensor([0, 8, 12], dtype=torch.int32)
+    got = pools(2).run(_packed_positions, algo, cu)
+    want = {"ring": [[0, 1, 6, 7, 8, 11], [2, 3, 4, 5, 9, 10]],
+            "attention2d-no": [[0, 2, 4, 6, 8, 10], [1, 3, 5, 7, 9, 11]]}[algo]
+    assert got == want
+
+
 # ------------------------------------------------------------------------------------------- bytes
 def _bytes(rank, world, algo, dtype, h, hk, seq=None):
     s, d = seq or 2 * world * 3, 8
@@ -263,6 +346,18 @@ def _bad(rank, world, case):
         return mcp.shard_sequence(torch.randn(1, world + 1, 2), algo="attention2d-no")
     elif case == "grid":
         kw.update(algo="attention2d-o", group=mcp.CPGrid(dist.group.WORLD, 2, 2))
+    elif case == "cu_unit":                           # document 1 has 2 tokens; zigzag over 3 ranks needs 6
+        q, k, v = (torch.randn(1, 6, t.shape[2], 8) for t in (q, k, v))
+        kw["cu_seqlens"] = torch.tensor([0, 6 * world - 6, 6 * world - 4, 6 * world], dtype=torch.int32)
+    elif case == "cu_total":
+        kw["cu_seqlens"] = torch.tensor([0, 6, 12], dtype=torch.int32)    # 3 ranks x 4 tokens = 12 needs 6s
+        kw["algo"] = "attention2d-no"
+        q, k, v = (t[:, :2] for t in (q, k, v))
+    elif case == "cu_batch":
+        q, k, v = (torch.cat([t, t]) for t in (q, k, v))
+        kw["cu_seqlens"] = torch.tensor([0, 12], dtype=torch.int32)
+    elif case == "cu_shard":
+        return mcp.shard_sequence(torch.randn(1, 12, 2), algo="attention2d-o", cu_seqlens=[0, 4, 12])
     mcp.context_parallel_attention(q, k, v, **kw)
     return "no error"
 
@@ -270,7 +365,9 @@ def _bad(rank, world, case):
 @pytest.mark.parametrize("case,needle", [
     ("odd_seq", "q:"), ("heads", "heads"), ("shape", "k, v"), ("kv_shape", "k and v"), ("dtype", "dtype"),
     ("device", "device"), ("algo", "algo"), ("group", "group"), ("backend", "backend"), ("shard_len", "x.shape[1]"),
-    ("cyclic_len", "x.shape[1]"), ("grid", "grid"),
+    ("cyclic_len", "x.shape[1]"), ("grid", "grid"), ("cu_unit", "cu_seqlens: document 1 (tokens 12..13) has length 2, not a multiple of 6 (2 x 3 ranks"),
+    ("cu_total", "cu_seqlens[-1] = 12 must equal the packed sequence length 6"), ("cu_batch", "cu_seqlens: packed"),
+    ("cu_shard", "cu_seqlens: document 0 (tokens 0..3) has length 4, not a multiple of 3 (3 ranks"),
 ])
 def test_bad_input_raises_on_every_rank_without_hanging(pools, case, needle):
     pool = pools(3)
