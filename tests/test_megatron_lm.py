@@ -54,9 +54,35 @@ def test_flags_that_bypass_our_attention_are_refused_by_name():
         lm.resolve(_args(context_parallel_algo="ring", attention_backend=Namespace(name="local")))
 
 
-def test_packed_batches_are_refused_until_supported():
-    with pytest.raises(ValueError, match="packed"):
-        lm.shard_batch({"tokens": torch.zeros(1, 8), "cu_seqlens": torch.tensor([0, 8])}, _args(), cp_group=None)
+class _CPGroup:
+    """Rank `rank` of a CP group of `size`, as shard_batch sees it."""
+
+    def __init__(self, rank, size=2):
+        self._rank, self._size = rank, size
+
+    def rank(self):
+        return self._rank
+
+    def size(self):
+        return self._size
+
+
+def test_packed_batches_are_sharded_per_document():
+    """core_v0.19's get_batch keeps cu_seqlens [1, n] in the batch; core_v0.16's packed branch calls
+    shard_thd_batch. Both: every document in the algorithm's layout (zigzag: TE's THD), 2 x CP per document."""
+    args = _args(context_parallel_algo="ring", context_parallel_size=2)
+    cu = torch.tensor([[0, 8, 12]], dtype=torch.int32)
+    batch = {"tokens": torch.arange(12)[None], "labels": torch.arange(12)[None] + 1, "cu_seqlens": cu,
+             "cu_seqlens_padded": None, "max_seqlen": torch.tensor([8]), "local_cp_size": None}
+    out = lm.shard_batch(batch, args, cp_group=_CPGroup(0))
+    assert out["tokens"].tolist() == [[0, 1, 6, 7, 8, 11]] and out["cu_seqlens"] is cu
+    assert list(out) == list(batch)
+    mine, params = lm.shard_thd_batch({"tokens": batch["tokens"], "labels": batch["labels"]}, args, cu, None,
+                                      torch.tensor([8]), cp_group=_CPGroup(1))
+    assert list(mine) == ["tokens", "labels"] and mine["labels"].tolist() == [[3, 4, 5, 6, 10, 11]]
+    assert params.qkv_format == "thd" and params.cu_seqlens_q.tolist() == [0, 8, 12] and params.max_seqlen_q == 8
+    with pytest.raises(ValueError, match=r"cu_seqlens: document 1 .*length 2, not a multiple of 4"):
+        lm.shard_batch(dict(batch, cu_seqlens=torch.tensor([[0, 8, 10, 12]])), args, cp_group=_CPGroup(0))
 
 
 def test_a_patch_per_verified_release_ships_with_the_package():

@@ -4,9 +4,15 @@ Megatron hands it this rank's shard of the sequence, RoPE applied: query [sq, b,
 [sk, b, ng, hn] (GQA not expanded); it returns [sq, b, np * hn]. The shard is in the layout of the
 algorithm (zigzag for ring and burst, cyclic for Attention2D): `batch.shard_batch` and `rope.install_cp_rope`
 make the data and the positions agree with it.
+
+Packed sequences (`packed_seq_params`, qkv_format "thd"): query [t, np, hn], key and value [t, ng, hn] hold
+this rank's part of every document, each in the algorithm's layout (`shard_batch` of a packed batch); the
+boundaries are the whole sequence's cu_seqlens (cu_seqlens_q_padded when given: the tokens are laid out by
+it), and the output is [t, np * hn]. Attention stays inside each document.
 """
 from __future__ import annotations
 
+import torch
 from megatron.core import parallel_state
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
@@ -15,7 +21,7 @@ from ..algos import context_parallel_attention, layout_of
 from ..algos.ring_decode import ring_decode
 from ..algos.tree_decode import tree_decode
 from ..comm import get_grid
-from ..sharding import sequence_positions
+from ..sharding import document_offsets, sequence_positions
 
 
 class CPCoreAttention(MegatronModule):
@@ -52,13 +58,17 @@ class CPCoreAttention(MegatronModule):
                 attention_bias=None, packed_seq_params=None):
         """query [sq, b, np, hn], key, value [sk, b, ng, hn] -> [sq, b, np * hn]."""
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
-        if packed_seq_params is not None:
-            raise ValueError("packed (THD) sequences are not supported by context-parallel attention yet")
+        if packed_seq_params is not None and mask_type == AttnMaskType.padding_causal:
+            mask_type = AttnMaskType.causal           # TE's name for causal inside every document of a THD batch
         if attention_bias is not None:
             raise ValueError("attention_bias is not supported by context-parallel attention")
         if mask_type not in (AttnMaskType.causal, AttnMaskType.no_mask):
             raise ValueError(f"attn_mask_type={mask_type.name}: supported are causal and no_mask")
         state = self.decode_state
+        if packed_seq_params is not None:
+            if state is not None and state.mode is not None:
+                raise ValueError("packed_seq_params: packed (THD) batches cannot be decoded; generate without packing")
+            return self._packed(query, key, value, packed_seq_params, mask_type == AttnMaskType.causal)
         if state is not None and state.mode == "decode":
             return self._decode(state, query, key, value)
         if query.shape[0] != key.shape[0]:
@@ -74,6 +84,16 @@ class CPCoreAttention(MegatronModule):
             state.store_prefill(self.layer_number, k.contiguous(), v.contiguous(), pos.to(k.device)[None])
         return o.transpose(0, 1).reshape(query.shape[0], query.shape[1], -1)
 
+    def _packed(self, query, key, value, params, causal: bool):
+        """THD: query [t, np, hn] (or [t, 1, np, hn]), key, value [t, ng, hn] -> [t, np * hn]."""
+        q, k, v = (x.transpose(0, 1) if x.dim() == 4 else x.unsqueeze(0) for x in (query, key, value))
+        if q.shape[0] != 1:
+            raise ValueError(f"packed_seq_params: THD input has batch 1, got query {tuple(query.shape)}")
+        o = context_parallel_attention(q, k, v, algo=self.algo, group=self.group, causal=causal,
+                                       softmax_scale=self.softmax_scale, backend=self.backend,
+                                       cu_seqlens=packed_offsets(params))
+        return o[0].reshape(o.shape[1], -1)
+
     def _decode(self, state, query, key, value):
         """One new token [1, b, ., hn], replicated: append its K, V round-robin, attend with tree decoding."""
         q, k, v = (x.transpose(0, 1) for x in (query, key, value))
@@ -85,3 +105,24 @@ class CPCoreAttention(MegatronModule):
             kw = {"variant": state.variant} if state.variant else {}
             o = tree_decode(q, ck, cv, group=state.cp_group, softmax_scale=self.softmax_scale, validate=False, **kw)
         return o.transpose(0, 1).reshape(query.shape[0], query.shape[1], -1)
+
+
+def packed_offsets(params) -> tuple[int, ...]:
+    """The whole sequence's document boundaries of a THD PackedSeqParams as host ints: cu_seqlens_q_padded when
+    given, else cu_seqlens_q (which must equal the kv ones: self-attention). Read from the device once per
+    PackedSeqParams object and kept on it (or set by `batch.packed_seq_params`), so every layer reuses them."""
+    offs = getattr(params, "_cp_offsets", None)
+    if offs is not None:
+        return offs
+    if params.qkv_format != "thd":
+        raise ValueError(f"packed_seq_params: qkv_format={params.qkv_format!r}, context-parallel attention takes "
+                         f"'thd'")
+    q = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+    kv = params.cu_seqlens_kv_padded if params.cu_seqlens_kv_padded is not None else params.cu_seqlens_kv
+    if q is None:
+        raise ValueError("packed_seq_params: cu_seqlens_q is None")
+    offs = document_offsets(q.flatten() if isinstance(q, torch.Tensor) else q)
+    if kv is not None and kv is not q and document_offsets(kv.flatten() if isinstance(kv, torch.Tensor) else kv) != offs:
+        raise ValueError("packed_seq_params: cu_seqlens_q and cu_seqlens_kv differ; self-attention needs one set")
+    params._cp_offsets = offs
+    return offs

@@ -10,13 +10,15 @@ tested here, and is the same for every Megatron-LM release we patch (core_v0.16.
 - `resolve(args)`: `auto` / `attention2d` become a concrete algorithm once; the choice is written back into
   `args.context_parallel_algo` (and saved with checkpoints), so later calls never consult the cost model;
 - `layer_spec(args)`, `install_rope(model, args, ...)`, `shard_batch(batch, args, cp_group)`: the model
-  and the batch in the algorithm's layout.
+  and the batch in the algorithm's layout (packed THD batches of core_v0.19 included);
+- `shard_thd_batch(batch, args, cu_seqlens, cu_seqlens_padded, max_seqlen)`: core_v0.16's packed branch.
 """
 from __future__ import annotations
 
 import sys
 
 from .args import add_cp_args, config_from_args
+from .batch import packed_seq_params
 from .batch import shard_batch as _shard_batch
 from .rope import install_cp_rope
 from .spec import get_gpt_layer_spec
@@ -127,8 +129,29 @@ def configure_model_config(model_cfg, args):
 
 def shard_batch(batch: dict, args, cp_group=None) -> dict:
     """This CP rank's tokens, labels, loss mask, position ids (and attention-mask rows) in the algorithm's
-    layout, replacing Megatron's zigzag-only `get_batch_on_this_cp_rank`; other keys pass through."""
-    if batch.get("cu_seqlens") is not None or batch.get("local_cp_size") is not None:
-        raise ValueError("--context-parallel-algo does not support packed (THD) batches yet (cu_seqlens from "
-                         "--sft / --dataloader-inter-document-masking); run without them")
-    return _shard_batch(batch, algo=resolve(args).algo, cp_group=cp_group or _cp_group())
+    layout, replacing Megatron's zigzag-only `get_batch_on_this_cp_rank`; other keys pass through.
+
+    Packed (THD) batches, core_v0.19's get_batch: `cu_seqlens` [1, n] (and `cu_seqlens_padded`, by which the
+    tokens are laid out when present) stay in the batch, and every document is sharded on its own in the
+    algorithm's layout; each document length must be a multiple of 2 x CP (a ValueError naming cu_seqlens, the
+    document and the unit otherwise: pad documents in the data loader, megatron_cp_plugin.pad_packed).
+    forward_step then builds the PackedSeqParams CPCoreAttention takes."""
+    if batch.get("local_cp_size") is not None:
+        raise ValueError("--context-parallel-algo does not support hybrid context parallelism (local_cp_size)")
+    out = _shard_batch(batch, algo=resolve(args).algo, cp_group=cp_group or _cp_group())
+    out.pop("packed_seq_params", None)            # Megatron-LM builds its own from cu_seqlens
+    return out
+
+
+def shard_thd_batch(batch: dict, args, cu_seqlens, cu_seqlens_padded=None, max_seqlen=None, cp_group=None):
+    """core_v0.16's packed get_batch branch (in place of `get_thd_batch_on_this_cp_rank`, same arguments):
+    (this rank's batch, every document in the algorithm's layout; PackedSeqParams for the model). The batch
+    keeps its keys and their order (get_batch returns its values)."""
+    packed = dict(batch, cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded)
+    out = shard_batch(packed, args, cp_group)
+    cu = cu_seqlens_padded if cu_seqlens_padded is not None else cu_seqlens
+    params = packed_seq_params(cu, max_seqlen=None if max_seqlen is None else int(max_seqlen.max()))
+    if cu_seqlens_padded is not None:             # real lengths for Megatron's accounting; layout by the padded
+        params.cu_seqlens_q_padded = params.cu_seqlens_kv_padded = params.cu_seqlens_q
+        params.cu_seqlens_q = params.cu_seqlens_kv = cu_seqlens.flatten()
+    return {k: out[k] for k in batch}, params
