@@ -1,9 +1,13 @@
-"""The cost model: its bytes equal the algorithms' byte counters on gloo, its picks are sensible, `auto`
-resolves through the Megatron flags, bad input raises."""
+"""The cost model: its bytes equal the algorithms' byte counters on gloo; its times, fitted on one set of
+measurements and checked on another (docs/results/cost_model_measured.json); its picks are sensible; `auto`
+resolves through the Megatron flags; the reports (megatron-cp-bench cost-model); bad input raises."""
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +15,8 @@ import torch.distributed as dist
 
 import megatron_cp_plugin as mcp
 from megatron_cp_plugin import cost_model as cm
+from megatron_cp_plugin.bench.cost_report import attention_problem, fit_link, load_measured, log_errors
+from megatron_cp_plugin.bench.cost_report import main as report_main
 from megatron_cp_plugin.cost_model import HARDWARE, DecodeProblem, Hardware, Problem, choose_algo
 
 DTYPES = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
@@ -147,18 +153,94 @@ def test_bytes_match_the_papers_volumes():
 
 
 # ------------------------------------------------------------------------------------- predictions
-def test_predictions_track_the_p2_measurements():
-    """docs/results: within 25% on NVLink and sockets at P = 2, and the sockets ranking of fwd+bwd is the
-    measured one at both lengths (attention2d-no < burst < attention2d-o < ring)."""
-    for name, meas in (("h200-nvlink", cm.MEASURED_NVLINK), ("h200-sockets", cm.MEASURED_SOCKETS)):
-        for (S, algo), (fwd, total) in meas.items():
-            p = cm.predict(algo, Problem(S, 2, 16), HARDWARE[name])
-            assert abs(p.fwd_s * 1e3 / fwd - 1) < 0.25 and abs(p.total_s * 1e3 / total - 1) < 0.25, (name, S, algo)
-    for S in (32768, 131072):
-        pred = {a: cm.predict(a, Problem(S, 2, 16), HARDWARE["h200-sockets"]).total_s for a in mcp.ALGORITHMS}
-        meas = {a: cm.MEASURED_SOCKETS[S, a][1] for a in mcp.ALGORITHMS}
-        assert sorted(pred, key=pred.get) == sorted(meas, key=meas.get) == [
-            "attention2d-no", "burst", "attention2d-o", "ring"]
+# The measured figures: data of the repository, next to these tests (the installed package predicts without them).
+MEASURED = Path(__file__).resolve().parents[1] / "docs" / "results" / "cost_model_measured.json"
+
+
+def _set(name):
+    data = load_measured(MEASURED)
+    return next(s for s in data["attention"] + data["decode"] if s["name"] == name)
+
+
+def test_measured_figures_match_their_sources():
+    """Every figure of cost_model_measured.json equals (to the 4 digits kept) the row of the docs/results file its
+    set names, so the reports and the checks below compare with what the benchmarks wrote."""
+    root = MEASURED.parents[2]
+    data = load_measured(MEASURED)
+    checked = 0
+    for s in data["attention"] + data["decode"]:
+        if not s["source"].endswith(".json"):
+            continue                                    # issue 17's figures: quoted in the issue, no file kept
+        src = json.loads((root / s["source"]).read_text())
+        assert src["command"] == s["command"], s["name"]
+        for r in s["rows"]:
+            if "algo" in r:
+                key, want = ("S", "algo", "P"), (r["seq_len"], r["algo"], s["world"])
+                cols = ("fwd_ms", "fwd_bwd_ms")
+            else:
+                name = r["method"].replace("tree-", "tree ") + (" (CUDA graph)" if r["graphed"] else "")
+                key, want, cols = ("context", "method", "P"), (r["context"], name, s["world"]), ("layer_us",)
+            row = next(x for x in src["rows"] if tuple(x[k] for k in key) == want)
+            pairs = [(r[c], row[c]) for c in cols]
+            for kept, exact in pairs:
+                assert kept == pytest.approx(exact, rel=1e-3), (s["name"], r)
+                checked += 1
+    assert checked >= 80
+
+
+def test_nvlink_predictions_are_checks_nothing_fitted():
+    """h200-nvlink has no parameter fitted to any attention timing (its bandwidths, latency and kernel rates are
+    micro-benchmark figures, docs/design.md), so every NVLink set is a check: P = 2 at 32k and 128k, a rerun of
+    the 128k half, and P = 4 at 128k. Tolerance, one-sided: the kernel rates are the single-kernel cuDNN rates
+    at 16k-64k and the model leaves out the fall-off on the smaller per-step blocks and the SMs NCCL's copy
+    kernels take, so it may only be low: by up to 15% at 128k (where the kernel alone ran 562 / 535 TFLOP/s
+    against the preset's 600 / 566, 6% of it) and 25% at 32k (the smallest blocks); +5% above allows the
+    run-to-run spread (the two 128k runs at P = 2 differ by up to 2%)."""
+    hw = HARDWARE["h200-nvlink"]
+    for name in ("nvlink-p2", "nvlink-p2-rerun", "nvlink-p4"):
+        s = _set(name)
+        for r in s["rows"]:
+            p = cm.predict(r["algo"], attention_problem(s, r["seq_len"]), hw)
+            low = -0.25 if r["seq_len"] <= 32768 else -0.15
+            for pred, meas in ((p.fwd_s * 1e3, r["fwd_ms"]), (p.total_s * 1e3, r["fwd_bwd_ms"])):
+                assert low < pred / meas - 1 < 0.05, (name, r, pred)
+    # P = 4 over NVLink: ring and burst ahead of both Attention2D variants, as measured; auto picks one of them.
+    s = _set("nvlink-p4")
+    meas = {r["algo"]: r["fwd_bwd_ms"] for r in s["rows"]}
+    pb = attention_problem(s, 131072)
+    best, pred = choose_algo(pb, hw)
+    for t in (meas, pred):
+        assert max(t["ring"], t["burst"]) < min(t["attention2d-no"], t["attention2d-o"])
+    assert best in ("ring", "burst")
+
+
+def test_sockets_link_fitted_on_32k_checks_128k():
+    """Fit on one set, check on another. Fitted: h200-sockets' two link parameters, the bandwidth (intra = inter)
+    and p2p_ratio, by least squares on log time over the 8 figures at S = 32k (P = 2, fwd and fwd+bwd of the four
+    algorithms, docs/results/cp_attention_slowlink.json), the rest of the preset kept. Checked: the 8 figures at
+    S = 128k, which the fit never sees; there the compute (not fitted: cuDNN rates) is a quarter to a third of
+    the time instead of 6-9%, so the check tests how the model combines fitted transfers with compute.
+    Tolerance 20%: the measured transfer rates vary between algorithms and lengths by 3.7-4.1 GB/s (collectives)
+    and 2.0-2.4 GB/s (p2p), i.e. +-5% and +-9% (cost_hardware.py), and the compute carries the NVLink sets'
+    0-10% kernel-rate error at 128k. The measured fwd+bwd ranking at 128k must also come out.
+    The shipped preset was fitted on all 16 figures (docs/cost_model.md), so its errors are in-sample: it is held
+    to 15% on both halves, and the 32k-only refit must land within 10% of it (the preset is not tuned to the check
+    half)."""
+    s = _set("sockets-p2")
+    fit = [r for r in s["rows"] if r["seq_len"] == 32768]
+    check = [r for r in s["rows"] if r["seq_len"] == 131072]
+    assert len(fit) == len(check) == 4
+    preset = HARDWARE["h200-sockets"]
+    refit = fit_link(preset, s, fit)
+    assert max(abs(e) for e in log_errors(refit, s, fit)) < 0.05                  # the fit itself worked
+    assert all(abs(math.exp(e) - 1) < 0.2 for e in log_errors(refit, s, check))           # out of sample
+    assert all(abs(math.exp(e) - 1) < 0.15 for e in log_errors(preset, s, fit + check))   # in-sample
+    assert abs(refit.intra_bw / preset.intra_bw - 1) < 0.1 and abs(refit.p2p_ratio / preset.p2p_ratio - 1) < 0.1
+    pb = attention_problem(s, 131072)
+    pred = {r["algo"]: cm.predict(r["algo"], pb, refit).total_s for r in check}
+    meas = {r["algo"]: r["fwd_bwd_ms"] for r in check}
+    assert sorted(pred, key=pred.get) == sorted(meas, key=meas.get) == [
+        "attention2d-no", "burst", "attention2d-o", "ring"]
 
 
 def test_choose_algo_picks():
@@ -219,12 +301,33 @@ def test_decode_tree_beats_ring_and_one_gpu_at_long_context():
     assert small == big and ring == 7 * (1 << 17) * 8 * 128 * 4           # 7 shards of K, V, bf16
 
 
-def test_cli_prints_tables(capsys):
-    assert cm.main(["--table", "measured", "node8", "decode"]) == 0
+def test_cli_prints_and_writes_tables(capsys, tmp_path):
+    stem = tmp_path / "out" / "cost_model"
+    assert report_main(["--table", "measured", "node8", "decode", "--measured", str(MEASURED), "--out", str(stem)]) == 0
     out = capsys.readouterr().out
-    assert "| 128k | attention2d-no | 1x2 |" in out and "| 8 | 512k | 32/8 |" in out and "ring-decode" in out
-    assert cm.main(["--seq", "65536", "--cp", "4", "--heads", "16", "--kv-heads", "4", "--grid", "4x1"]) == 0
+    assert "| 2 | 128k | attention2d-no | 1x2 |" in out and "| 8 | 512k | 32/8 |" in out and "ring-decode" in out
+    assert "| 32k | ring | - | 55.9 |" in out and "| check |" in out
+    assert stem.with_suffix(".md").read_text() == out
+    res = json.loads(stem.with_suffix(".json").read_text())
+    assert set(res["tables"]) == {"measured", "node8", "decode"} and res["device"].startswith("none")
+    assert res["tables"]["node8"][0]["rows"][0]["P"] == 4
+    assert report_main(["--seq", "65536", "--cp", "4", "--heads", "16", "--kv-heads", "4", "--grid", "4x1"]) == 0
     assert "choose_algo: " in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        report_main([])
+    assert "give --table or --seq" in capsys.readouterr().err
+
+
+def test_reports_without_the_measured_data(monkeypatch, tmp_path):
+    """An installed package has no docs/: the model-only tables work, the measured one says where the data is."""
+    from megatron_cp_plugin.bench import cost_report
+
+    monkeypatch.setattr(cost_report, "MEASURED_PATH", tmp_path / "docs" / "results" / "cost_model_measured.json")
+    assert cost_report.table_node8() and cost_report.table_decode()
+    with pytest.raises(FileNotFoundError, match="cost_model_measured.json.*--measured"):
+        cost_report.table_measured()
+    with pytest.raises(SystemExit, match="measured figures not found"):
+        report_main(["--table", "measured"])
 
 
 # ------------------------------------------------------------------------------------- Megatron flags

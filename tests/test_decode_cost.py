@@ -1,26 +1,45 @@
 """The decode cost model's graphed mode and the tree merge variant it picks for the static decode step."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import megatron_cp_plugin.cost_model as cm
 from megatron_cp_plugin.algos.tree_decode import VARIANTS
+from megatron_cp_plugin.bench.cost_report import load_measured
 from megatron_cp_plugin.cost_model import HARDWARE, DecodeProblem
 
-# 2 x H200, 32 layers, Llama-3.1-8B attention, b = 1, one token, CUDA-graphed, us per layer: allreduce3 and
-# allreduce2 from docs/results/decode.md, allgather from the run quoted in issue 17. GRAPH_LATENCY_RATIO was fitted to the differences between rows (allreduce3 -
-# allreduce2, allgather - local shard); the totals below are checked, not fitted.
-MEASURED_GRAPHED_128K = {"tree-allreduce3": 4.49e3 / 32, "tree-allreduce2": 3.66e3 / 32, "tree-allgather": 2.81e3 / 32}
+# The measured figures: docs/results/cost_model_measured.json (data of the repository, next to these tests).
+MEASURED = Path(__file__).resolve().parents[1] / "docs" / "results" / "cost_model_measured.json"
+
+
+def _graphed_tree(names, context=None):
+    """(set, row) of every CUDA-graphed tree-variant figure of the named decode sets."""
+    sets = [s for s in load_measured(MEASURED)["decode"] if s["name"] in names]
+    return [(s, r) for s in sets for r in s["rows"]
+            if r["graphed"] and r["method"].startswith("tree") and context in (None, r["context"])]
 
 
 def test_graphed_steps_are_predicted_faster_and_near_the_measurements():
+    """Fit on one set, check on another. Fitted: GRAPH_LATENCY_RATIO, to differences between graphed rows at
+    P = 2 (allreduce3 - allreduce2 of decode-p2, allgather - local shard of issue 17's run); GRAPH_LAUNCH_S is
+    an estimate. Checked: the graphed totals at P = 2 and 128k (the same runs, but totals, not the differences
+    fitted), and every graphed tree total at P = 4 (decode-p4: 128k and 512k), which no constant saw.
+    Tolerance 25%: the per-kernel and per-collective costs are single figures for every size; at P = 2 the
+    graphed totals are 3-28% over the measured between 32k and 512k. Ring decoding is left out of the P = 4
+    check: its graphed time there is 2.4x / 1.4x the prediction at 128k / 512k (its P - 1 shard transfers moved
+    134-242 GB/s, not the 360 GB/s p2p rate measured on one pair), unexplained (docs/cost_model.md)."""
     hw = HARDWARE["h200-nvlink"]
     for S in (32768, 131072, 524288):
         pb = DecodeProblem(S, 2, 32, 8)
         for m in cm.DECODE_METHODS:
             assert cm.predict_decode(m, pb, hw, graphed=True) < cm.predict_decode(m, pb, hw)
-    pb = DecodeProblem(131072, 2, 32, 8)
-    for m, us in MEASURED_GRAPHED_128K.items():
-        pred = cm.predict_decode(m, pb, hw, graphed=True) * 1e6
-        assert abs(pred / us - 1) < 0.25, (m, pred, us)
+    p2 = _graphed_tree(("decode-p2", "decode-p2-issue17"), context=131072)
+    p4 = _graphed_tree(("decode-p4",))
+    assert {r["method"] for _, r in p2} == set(cm.DECODE_METHODS[:3]) and len(p4) == 6
+    for s, r in p2 + p4:
+        pb = DecodeProblem(r["context"], s["world"], s["heads"], s["kv_heads"], s["head_dim"], s["batch"])
+        pred = cm.predict_decode(r["method"], pb, hw, graphed=True) * 1e6
+        assert abs(pred / r["layer_us"] - 1) < 0.25, (s["name"], r, pred)
 
 
 def test_choose_tree_variant_is_the_fastest_tree_method_for_each_mode():

@@ -23,7 +23,7 @@ SUBCOMMANDS = {
     "deft": ("megatron_cp_plugin.bench.deft", "DeFT tree-attention workloads against the baselines"),
     "flash-decode": ("megatron_cp_plugin.bench.flash_decode", "the split-KV decode kernel vs prefill kernels"),
     "local-attn": ("megatron_cp_plugin.bench.local_attn", "local attention kernels (cuDNN, FA2, math)"),
-    "cost-model": ("megatron_cp_plugin.cost_model", "predicted times and bytes of every algorithm"),
+    "cost-model": ("megatron_cp_plugin.bench.cost_report", "the cost model's tables (--table), one problem (--seq)"),
     "plot": (None, "draw the PNG of a result JSON (when it was written without matplotlib)"),
 }
 

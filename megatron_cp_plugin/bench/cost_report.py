@@ -1,0 +1,346 @@
+"""`megatron-cp-bench cost-model`: the cost model's tables (docs/cost_model.md), or one problem's prediction.
+
+    megatron-cp-bench cost-model --table measured papers node8 decode [--out results/cost_model]
+    megatron-cp-bench cost-model --seq 131072 --cp 4 --heads 16 [--hardware h200-sockets]
+
+measured  predictions against the measured figures of docs/results/cost_model_measured.json (read from the
+          repository checkout, or --measured PATH): h200-nvlink (nothing fitted), h200-sockets (its preset, fitted
+          on all its figures, and a refit on the 32k half checked on the 128k half), decode eager and graphed.
+papers    the papers' settings (attention2d.txt Sec. 4.1, 4.3; tree-attention.txt Sec. 6.1) next to their claims.
+node8     P = 4 and 8 on one 8 x H200 node: every algorithm, 128k-512k, MHA and GQA.
+decode    decode on one 8 x H200 node, Llama-3.1-8B attention, P = 2, 4, 8.
+--out STEM writes STEM.json (the rows, unformatted) and STEM.md (what is printed).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..algos import ALGORITHMS
+from ..cost_model import (DECODE_METHODS, FA2_H100, HARDWARE, DecodeProblem, Hardware, Problem, choose_algo,
+                          predict, predict_decode)
+
+# The repository's docs/results, next to the package: the measured figures are data of the repository, not of
+# the installed package, which imports and predicts without them.
+MEASURED_PATH = Path(__file__).resolve().parents[2] / "docs" / "results" / "cost_model_measured.json"
+
+
+def load_measured(path: str | os.PathLike | None = None) -> dict:
+    """The measured figures (docs/results/cost_model_measured.json); a clear error where there is no checkout."""
+    p = Path(path) if path is not None else MEASURED_PATH
+    if not p.is_file():
+        raise FileNotFoundError(f"cost model: measured figures not found at {p}; they live in the repository "
+                                "(docs/results/cost_model_measured.json): run from a checkout or pass --measured PATH")
+    with open(p) as f:
+        return json.load(f)
+
+
+def attention_problem(s: dict, seq_len: int) -> Problem:
+    """The Problem a measured attention set ran: bench.cp_attention places Attention2D grids column-major."""
+    return Problem(seq_len, s["world"], s["heads"], s["kv_heads"], s["head_dim"], s["batch"], s["dtype_bytes"],
+                   s["causal"], node_aware=False)
+
+
+def decode_problem(s: dict, context: int) -> DecodeProblem:
+    return DecodeProblem(context, s["world"], s["heads"], s["kv_heads"], s["head_dim"], s["batch"], s["n_q"],
+                         s["dtype_bytes"])
+
+
+def log_errors(hw: Hardware, s: dict, rows) -> list[float]:
+    """log(predicted / measured) of the forward and the fwd+bwd time of each row of set s."""
+    out = []
+    for r in rows:
+        p = predict(r["algo"], attention_problem(s, r["seq_len"]), hw)
+        out += [math.log(p.fwd_s * 1e3 / r["fwd_ms"]), math.log(p.total_s * 1e3 / r["fwd_bwd_ms"])]
+    return out
+
+
+def fit_link(base: Hardware, s: dict, rows) -> Hardware:
+    """base with its link bandwidth (intra_bw = inter_bw) and p2p_ratio fitted to `rows` of set s: least squares on
+    log time (fwd and fwd+bwd), by a coarse then a fine grid search (two parameters, smooth: no solver needed)."""
+    def sse(bw, ratio):
+        hw = dataclasses.replace(base, intra_bw=bw, inter_bw=bw, p2p_ratio=ratio)
+        return sum(e * e for e in log_errors(hw, s, rows))
+
+    bw, ratio, span = base.intra_bw, base.p2p_ratio, 4.0
+    for _ in range(2):                   # x / span .. x * span in 20 steps each way, then one coarse step around
+        grid = [span ** (i / 20) for i in range(-20, 21)]
+        bw, ratio = min(((bw * a, ratio * b) for a in grid for b in grid), key=lambda x: sse(*x))
+        span = span ** (1 / 20)
+    return dataclasses.replace(base, intra_bw=bw, inter_bw=bw, p2p_ratio=ratio, name=base.name + " (refit)")
+
+
+# ----------------------------------------------------------------------------------------------- formatting
+@dataclass
+class Table:
+    title: str
+    rows: list[dict]
+    fmt: dict = field(default_factory=dict)
+    """Column -> formatter for markdown; the JSON keeps the raw values."""
+
+    def markdown(self) -> str:
+        cols = list(dict.fromkeys(c for r in self.rows for c in r))
+        out = [self.title, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+        for r in self.rows:
+            out.append("| " + " | ".join(self.fmt.get(c, _cell)(r.get(c, "")) for c in cols) + " |")
+        return "\n".join(out)
+
+
+def _cell(v) -> str:
+    return _ms(v) if isinstance(v, float) else str(v)
+
+
+def _ms(t: float) -> str:
+    return f"{t:.3g}" if t < 1000 else f"{t:.0f}"
+
+
+def _k(n: int) -> str:
+    return f"{n // 1048576}M" if n % 1048576 == 0 else f"{n // 1024}k" if n % 1024 == 0 else str(n)
+
+
+def _pct(x: float) -> str:
+    return f"{x:+.0%}"
+
+
+def _grid(p) -> str:
+    return f"{p.grid[0]}x{p.grid[1]}" if p.grid else "-"
+
+
+# ----------------------------------------------------------------------------------------------- measured
+def table_measured(data: dict | None = None) -> list[Table]:
+    """Predictions against the measured sets: every h200-nvlink set (nothing fitted), the sockets set with its
+    preset (fitted on all of it) and a refit on the 32k half (the 128k half is then a check), decode."""
+    data = load_measured() if data is None else data
+    out = []
+    rows = []
+    for s in data["attention"]:
+        if s["hardware"] != "h200-nvlink":
+            continue
+        for r in s["rows"]:
+            p = predict(r["algo"], attention_problem(s, r["seq_len"]), HARDWARE["h200-nvlink"])
+            pf, pt = p.fwd_s * 1e3, p.total_s * 1e3
+            rows.append({"P": s["world"], "S": r["seq_len"], "algo": r["algo"], "grid": _grid(p),
+                         "pred fwd": pf, "meas fwd": r["fwd_ms"], "err fwd": pf / r["fwd_ms"] - 1,
+                         "pred fwd+bwd": pt, "meas fwd+bwd": r["fwd_bwd_ms"], "err fwd+bwd": pt / r["fwd_bwd_ms"] - 1,
+                         "set": s["name"]})
+    out.append(Table("h200-nvlink, nothing fitted (b = 1, h = h_kv = 16, d = 128, bf16, causal, column-major "
+                     "grid as the benchmark; ms)", rows,
+                     {"S": _k, "err fwd": _pct, "err fwd+bwd": _pct}))
+    for s in data["attention"]:
+        if s["hardware"] != "h200-sockets":
+            continue
+        preset = HARDWARE["h200-sockets"]
+        fit_rows = [r for r in s["rows"] if r["seq_len"] == 32768]
+        refit = fit_link(preset, s, fit_rows)
+        rows = []
+        for r in s["rows"]:
+            pb = attention_problem(s, r["seq_len"])
+            a, b = (predict(r["algo"], pb, hw) for hw in (preset, refit))
+            rows.append({"S": r["seq_len"], "algo": r["algo"], "grid": _grid(a), "meas fwd": r["fwd_ms"],
+                         "pred fwd (preset / refit)": (a.fwd_s * 1e3, b.fwd_s * 1e3),
+                         "err fwd": (a.fwd_s * 1e3 / r["fwd_ms"] - 1, b.fwd_s * 1e3 / r["fwd_ms"] - 1),
+                         "meas fwd+bwd": r["fwd_bwd_ms"],
+                         "pred fwd+bwd (preset / refit)": (a.total_s * 1e3, b.total_s * 1e3),
+                         "err fwd+bwd": (a.total_s * 1e3 / r["fwd_bwd_ms"] - 1, b.total_s * 1e3 / r["fwd_bwd_ms"] - 1),
+                         "refit role": "fit" if r in fit_rows else "check"})
+        pair = lambda f: lambda v: f"{f(v[0])} / {f(v[1])}"  # noqa: E731
+        out.append(Table(
+            f"h200-sockets ({s['name']}: P = {s['world']}, b = 1, h = h_kv = 16, d = 128, bf16, causal; ms). "
+            f"preset: {preset.intra_bw / 1e9:.2f} GB/s, p2p x{preset.p2p_ratio:.2f}, fitted on all 16 figures "
+            f"(in-sample). refit: the same two parameters fitted on the 32k rows alone, {refit.intra_bw / 1e9:.2f} "
+            f"GB/s, p2p x{refit.p2p_ratio:.2f}; its 128k errors are out of sample", rows,
+            {"S": _k, "pred fwd (preset / refit)": pair(_ms), "err fwd": pair(_pct),
+             "pred fwd+bwd (preset / refit)": pair(_ms), "err fwd+bwd": pair(_pct)}))
+    rows = []
+    for s in data["decode"]:
+        for r in s["rows"]:
+            t = predict_decode(r["method"], decode_problem(s, r["context"]), HARDWARE[s["hardware"]],
+                               graphed=r["graphed"]) * 1e6
+            rows.append({"P": s["world"], "context": r["context"], "method": r["method"],
+                         "mode": "graph" if r["graphed"] else "eager", "pred us": t, "meas us": r["layer_us"],
+                         "pred / meas": t / r["layer_us"], "set": s["name"]})
+    rows.sort(key=lambda r: (r["P"], r["mode"], r["context"], DECODE_METHODS.index(r["method"])))
+    us = lambda v: f"{v:.0f}"  # noqa: E731
+    out.append(Table("h200-nvlink decode (h = 32, h_kv = 8, d = 128, b = 1, 1 token, bf16; us per layer, from 32 "
+                     "layers back to back)", rows,
+                     {"context": _k, "pred us": us, "meas us": us, "pred / meas": lambda v: f"{v:.2f}"}))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- papers
+def _node_aware_best(pb: Problem, hw: Hardware) -> Problem:
+    """pb on the grid, among those whose columns fit in a node (row-major placement), that the model likes best."""
+    grids = [(pb.world // c, c) for c in range(1, hw.gpus_per_node + 1)
+             if hw.gpus_per_node % c == 0 and pb.world % c == 0]
+    return min((dataclasses.replace(pb, grid=g, node_aware=True) for g in grids),
+               key=lambda q: predict("attention2d-no", q, hw).total_s)
+
+
+def _speedups(pb: Problem, hw: Hardware) -> tuple[float, str]:
+    t = {a: predict(a, pb, hw).total_s for a in ALGORITHMS}
+    return t["ring"], f"{t['ring'] / t['attention2d-no']:.1f} / {t['ring'] / t['attention2d-o']:.1f}"
+
+
+def table_papers() -> list[Table]:
+    """The papers' settings: Attention2D vs ring (attention2d.txt Sec. 4.1, 4.3), tree vs ring decode
+    (tree-attention.txt Sec. 6.1), next to their claims."""
+    a100 = HARDWARE["a100-pcie"]
+    a100_nics = dataclasses.replace(a100, nics_per_node=None)
+    rows = []
+    for name, h, d in (("760M", 16, 96), ("2.7B", 32, 80), ("13B", 40, 128)):
+        for P in (16, 64):
+            for S in (65536, 262144, 524288):
+                pb = Problem(S, P, h, head_dim=d, node_aware=False)
+                ring, col = _speedups(pb, a100)
+                aware = _node_aware_best(pb, a100)
+                g, ga = pb.attention2d_grid(), aware.grid
+                rows.append({"model (h, d)": f"{name} ({h}, {d})", "P": P, "S": _k(S), "ring ms": ring * 1e3,
+                             "column-major grid (paper)": f"{col} ({g[0]}x{g[1]})",
+                             "node-aware grid": f"{_speedups(aware, a100)[1]} ({ga[0]}x{ga[1]})",
+                             "column-major, one NIC per GPU": _speedups(pb, a100_nics)[1]})
+    out = [Table(
+        "attention2d.txt Sec. 4.1: A100 nodes of 4 GPUs on PCIe, Ethernet between nodes (a100-pcie: FA2 "
+        f"{a100.fwd_tflops / 1e12:.0f}/{a100.bwd_tflops / 1e12:.0f} TFLOP/s, PCIe {a100.intra_bw / 1e9:.0f} GB/s, "
+        f"one {a100.inter_bw / 1e9:.0f} GB/s NIC per node). b = 1, causal, bf16, one layer fwd+bwd. Cells: "
+        "speed-up of attention2d-no / attention2d-o over ring. Paper: more than 2x for every model and length on 16 "
+        "and 64 GPUs, up to 5x on 64.", rows)]
+    eth = dataclasses.replace(HARDWARE["h100-eth"], **FA2_H100)
+    eth_p2p = dataclasses.replace(eth, p2p_ratio=HARDWARE["h200-sockets"].p2p_ratio)
+    rows = []
+    for name, h, d in (("66B", 72, 128), ("175B", 96, 128)):
+        for S in (65536, 131072, 262144, 524288):
+            pb = Problem(S, 64, h, head_dim=d)
+            ring, sp = _speedups(pb, eth)
+            rows.append({"model (h, d)": f"{name} ({h}, {d})", "S": _k(S), "ring ms": ring * 1e3, "speed-up": sp,
+                         f"speed-up with p2p at {eth_p2p.p2p_ratio:g} of the collectives' bandwidth (as measured "
+                         "over sockets)": _speedups(pb, eth_p2p)[1]})
+    out.append(Table(
+        "attention2d.txt Sec. 4.3: 64 nodes of one H100 on Ethernet (h100-eth with FA2 rates "
+        f"{eth.fwd_tflops / 1e12:.0f}/{eth.bwd_tflops / 1e12:.0f} TFLOP/s, {eth.inter_bw / 1e9:.0f} GB/s per node), "
+        "P = 64, 8 x 8 grid, b = 1, causal, bf16, one layer fwd+bwd. Cells: speed-up of attention2d-no / "
+        "attention2d-o over ring. Paper: up to 9.4x (66B and 175B, one pipeline stage).", rows))
+    hw = HARDWARE["h100-ib"]
+    rows = []
+    for P in (8, 64, 128):
+        for S in (640000, 1280000, 5120000):
+            t = {m: predict_decode(m, DecodeProblem(S, P, 16), hw) * 1e6 for m in DECODE_METHODS}
+            rows.append({"GPUs": P, "context": f"{S / 1e6:g}M", **t,
+                         "ring / tree-allreduce2": t["ring-decode"] / t["tree-allreduce2"]})
+    us = lambda v: f"{v:.0f}"  # noqa: E731
+    out.append(Table(
+        "tree-attention.txt Sec. 6.1: DGX H100 nodes (8 GPUs on NVLink, one NDR NIC per GPU: h100-ib), 16 heads, "
+        "d = 128, b = 1, one new token, bf16, eager; us per layer. Paper: tree 'close to 8x' faster than ring at 128 "
+        "GPUs and 5.12M tokens.", rows, dict.fromkeys((*DECODE_METHODS, "ring / tree-allreduce2"), us)))
+    return out
+
+
+def table_node8(hw_names=("h200-nvlink", "h200-sockets")) -> list[Table]:
+    """P = 4 and 8 on one 8 x H200 node: every algorithm, fwd and fwd+bwd, S 128k-512k, h 16 / 32, h_kv h and h/4."""
+    out = []
+    for hw_name in hw_names:
+        hw, rows = HARDWARE[hw_name], []
+        for P in (4, 8):
+            for S in (131072, 262144, 524288):
+                for h in (16, 32):
+                    for hk in (h, h // 4):
+                        pb = Problem(S, P, h, hk, node_aware=False)
+                        t = {a: predict(a, pb, hw) for a in ALGORITHMS}
+                        rows.append({"P": P, "S": _k(S), "h/h_kv": f"{h}/{hk}",
+                                     **{a: f"{_ms(t[a].fwd_s * 1e3)} / {_ms(t[a].total_s * 1e3)}" for a in ALGORITHMS},
+                                     "grid": _grid(t["attention2d-no"]), "auto": choose_algo(pb, hw)[0]})
+        out.append(Table(f"{hw_name}: b = 1, d = 128, bf16, causal; ms per layer (fwd / fwd+bwd); default grid, "
+                         "column-major (as bench.cp_attention runs it); 'auto' = choose_algo's pick for fwd+bwd", rows))
+    return out
+
+
+def table_decode(hw_names=("h200-nvlink", "h200-sockets")) -> list[Table]:
+    """Decode on one 8 x H200 node, Llama-3.1-8B attention (32 heads, 8 KV heads, d = 128), b = 1, one token."""
+    out = []
+    for hw_name in hw_names:
+        hw, rows = HARDWARE[hw_name], []
+        for P in (2, 4, 8):
+            for S in (32768, 131072, 524288, 1048576):
+                dp = DecodeProblem(S, P, 32, 8)
+                t = {m: predict_decode(m, dp, hw) * 1e6 for m in DECODE_METHODS}
+                g = {m: predict_decode(m, dp, hw, graphed=True) * 1e6 for m in DECODE_METHODS}
+                one = tuple(predict_decode("tree-allreduce2", dataclasses.replace(dp, world=1), hw, graphed=x) * 1e6
+                            for x in (False, True))
+                ratio = tuple(x["ring-decode"] / min(x[m] for m in DECODE_METHODS[:3]) for x in (t, g))
+                rows.append({"P": P, "context": _k(S), **{m: (t[m], g[m]) for m in DECODE_METHODS},
+                             "one GPU": one, "ring / best tree": ratio})
+        pair = lambda v: f"{v[0]:.0f} / {v[1]:.0f}"  # noqa: E731
+        out.append(Table(f"{hw_name}: Llama-3.1-8B attention (h = 32, h_kv = 8, d = 128), b = 1, 1 token, bf16; us "
+                         "per layer, eager / CUDA-graphed", rows,
+                         {**dict.fromkeys((*DECODE_METHODS, "one GPU"), pair),
+                          "ring / best tree": lambda v: f"{v[0]:.1f} / {v[1]:.1f}"}))
+    return out
+
+
+def table_problem(pb: Problem, hw: Hardware) -> Table:
+    """Every feasible algorithm's prediction for one problem, and choose_algo's pick."""
+    rows = []
+    for algo in ALGORITHMS:
+        if pb.feasible(algo):
+            r = predict(algo, pb, hw)
+            rows.append({"algo": algo, "grid": _grid(r), "fwd ms": r.fwd_s * 1e3, "fwd+bwd ms": r.total_s * 1e3,
+                         "MiB sent fwd": r.fwd_bytes / 2**20, "MiB sent bwd": r.bwd_bytes / 2**20})
+    return Table(f"{hw.name}: S = {pb.seq_len}, P = {pb.world}, h = {pb.heads}, h_kv = {pb.kv_heads}, "
+                 f"d = {pb.head_dim}, b = {pb.batch}; choose_algo: {choose_algo(pb, hw)[0]}", rows,
+                 {"fwd ms": lambda v: f"{v:.4g}", "fwd+bwd ms": lambda v: f"{v:.4g}",
+                  "MiB sent fwd": lambda v: f"{v:.1f}", "MiB sent bwd": lambda v: f"{v:.1f}"})
+
+
+TABLES = {"measured": table_measured, "papers": table_papers, "node8": table_node8, "decode": table_decode}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="megatron-cp-bench cost-model", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--table", nargs="+", choices=sorted(TABLES) + ["all"], default=None)
+    p.add_argument("--measured", default=None, metavar="PATH",
+                   help=f"the measured figures (default: {MEASURED_PATH.relative_to(MEASURED_PATH.parents[2])} "
+                        "in the repository)")
+    p.add_argument("--out", default=None, metavar="STEM", help="also write STEM.json and STEM.md")
+    p.add_argument("--hardware", choices=sorted(HARDWARE), default="h200-nvlink")
+    p.add_argument("--seq", type=int, default=None, help="one problem: sequence length (with --cp)")
+    p.add_argument("--cp", type=int, default=2, help="context-parallel size")
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=None)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--grid", default=None, metavar="RxC")
+    a = p.parse_args(argv)
+    if a.table is None and a.seq is None:
+        p.error("give --table or --seq")
+    sections: dict[str, list[Table]] = {}
+    try:
+        for name in (sorted(TABLES) if a.table and "all" in a.table else a.table or []):
+            sections[name] = table_measured(load_measured(a.measured)) if name == "measured" else TABLES[name]()
+        if a.seq is not None:
+            grid = tuple(int(x) for x in a.grid.lower().split("x")) if a.grid else None
+            pb = Problem(a.seq, a.cp, a.heads, a.kv_heads, a.head_dim, a.batch, grid=grid)
+            sections["problem"] = [table_problem(pb, HARDWARE[a.hardware])]
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"megatron-cp-bench cost-model: {e}") from None
+    text = "\n\n".join(f"## {name}\n\n" + "\n\n".join(t.markdown() for t in tables)
+                       for name, tables in sections.items()) + "\n"
+    print(text, end="")
+    if a.out:
+        os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+        with open(a.out + ".json", "w") as f:
+            json.dump({"command": " ".join(sys.argv), "device": "none (analytical model)",
+                       "tables": {n: [{"title": t.title, "rows": t.rows} for t in ts] for n, ts in sections.items()}},
+                      f, indent=1)
+        with open(a.out + ".md", "w") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

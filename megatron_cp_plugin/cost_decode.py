@@ -1,0 +1,142 @@
+"""The decode side of the cost model: one decode step of one layer, tree decoding's merge variants against ring
+decoding (tree-attention.txt Sec. 6.3), eager or replayed as a CUDA graph.
+
+Tree decoding moves one (o, lse) per query through all-reduces (a tree across nodes: 2 log2(nodes) inter-node
+hops of latency) or one all-gather; ring decoding moves every KV shard round the ring. The local step streams the
+KV shard from HBM (memory-bound). Decode is launch-bound: a fixed host cost per kernel (LAUNCH_S eagerly,
+GRAPH_LAUNCH_S graphed) and the links' latencies (scaled by GRAPH_LATENCY_RATIO graphed) dominate at short
+contexts. Not modelled: eager host overhead beyond that fixed cost per kernel (the 2 x H200 eager runs spend
+0.3-0.9 ms per layer of Python and launches, with run-to-run noise of that size: docs/cost_model.md).
+`inference/static.py` asks `choose_tree_variant` for the variant of its static step.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from .cost_hardware import MERGE_BYTES, Hardware, Link, check_int, overlapped, phase_link
+
+DECODE_METHODS = ("tree-allreduce3", "tree-allreduce2", "tree-allgather", "ring-decode")
+# Decode is launch-bound: its kernels take microseconds, and PyTorch's eager dispatch + CUDA launch costs ~5-10 us
+# each. Kernels per call, counted in algos/tree_decode.py: the local split-KV step 2, the max / weights / divide
+# of the all-reduce variants 14 (13 unpacked), allgather's fused merge of the gathered buffer 1 (the split-KV
+# step writes its partial into that buffer), merge_ 13 (ring decoding: one per step).
+LAUNCH_S = 8e-6
+_DECODE_KERNELS = {"tree-allreduce3": 13, "tree-allreduce2": 14, "tree-allgather": 1, "local": 2, "merge": 13}
+# A decode step replayed as one CUDA graph has no host dispatch: kernel nodes follow each other ~2 us apart, and
+# an NCCL collective of a few kB costs ~20 us instead of the ~45 us of an eager call (2 x H200, bench.decode:
+# allreduce3 - allreduce2 = 22 us per layer, allgather - local = 21 us per layer, both graphed).
+GRAPH_LAUNCH_S = 2e-6
+GRAPH_LATENCY_RATIO = 0.45
+
+
+@dataclass(frozen=True)
+class DecodeProblem:
+    """One decode step of one layer: n_q new tokens over a KV cache of `context` tokens sharded over P ranks."""
+
+    context: int
+    """Tokens in the KV cache (all ranks together)."""
+    world: int
+    """P, ranks the cache is sharded over (equal shards, the largest counts)."""
+    heads: int
+    """h, query heads."""
+    kv_heads: int | None = None
+    """h_kv; None: h."""
+    head_dim: int = 128
+    """d."""
+    batch: int = 1
+    """b."""
+    n_q: int = 1
+    """New query tokens per sequence (1, or a few speculative ones)."""
+    dtype_bytes: int = 2
+    """e of the cache: 2, 4 or 8."""
+    positions: bool = False
+    """Ring decoding passes int64 kv_positions with every shard (ragged / padded caches)."""
+
+    def __post_init__(self):
+        for f in ("context", "world", "heads", "head_dim", "batch", "n_q"):
+            check_int(f"DecodeProblem.{f}", getattr(self, f))
+        if self.kv_heads is None:
+            object.__setattr__(self, "kv_heads", self.heads)
+        check_int("DecodeProblem.kv_heads", self.kv_heads)
+        if self.heads % self.kv_heads:
+            raise ValueError(f"DecodeProblem.heads ({self.heads}) must be divisible by kv_heads ({self.kv_heads})")
+        if self.dtype_bytes not in (2, 4, 8):
+            raise ValueError(f"DecodeProblem.dtype_bytes must be 2, 4 or 8, got {self.dtype_bytes!r}")
+
+    @property
+    def shard(self) -> int:
+        return -(-self.context // self.world)
+
+
+def decode_bytes(method: str, pb: DecodeProblem) -> int:
+    """Bytes one rank sends in one decode call of `method` (DECODE_METHODS), with comm.py's convention.
+    tree_decode's validation all-gather (validate=True; generation passes False) is not included."""
+    if method not in DECODE_METHODS:
+        raise ValueError(f"method must be one of {DECODE_METHODS}, got {method!r}")
+    P, acc = pb.world, 8 if pb.dtype_bytes == 8 else 4
+    o = pb.batch * pb.n_q * pb.heads * pb.head_dim * acc           # o / numerator, fp32
+    r = pb.batch * pb.heads * pb.n_q * acc                         # lse / max / denominator, fp32
+    ar = lambda n: 2 * (P - 1) * n // P  # noqa: E731               all-reduce
+    if method == "tree-allreduce3":
+        return ar(r) + ar(o) + ar(r)
+    if method == "tree-allreduce2":
+        return ar(r) + ar(o + r)
+    if method == "tree-allgather":
+        return (P - 1) * (o + r)
+    return (P - 1) * _ring_decode_msg(pb)
+
+
+def _ring_decode_msg(pb: DecodeProblem) -> int:
+    kv = 2 * pb.batch * pb.shard * pb.kv_heads * pb.head_dim * pb.dtype_bytes
+    return kv + (pb.batch * pb.shard * 8 if pb.positions else 0)
+
+
+def predict_decode(method: str, pb: DecodeProblem, hw: Hardware, *, graphed: bool = False) -> float:
+    """Predicted seconds of one decode call (one layer) of `method` on `hw`. Host overhead: LAUNCH_S per kernel
+    eagerly; graphed (the step replayed as a CUDA graph): GRAPH_LAUNCH_S per kernel and collective latencies
+    scaled by GRAPH_LATENCY_RATIO."""
+    if method not in DECODE_METHODS:
+        raise ValueError(f"method must be one of {DECODE_METHODS}, got {method!r}")
+    P, acc = pb.world, 8 if pb.dtype_bytes == 8 else 4
+    k = _DECODE_KERNELS
+    launch = GRAPH_LAUNCH_S if graphed else LAUNCH_S
+
+    def link(**kw) -> Link:
+        lk = phase_link([list(range(P))], hw, **kw)
+        return dataclasses.replace(lk, lat=lk.lat * GRAPH_LATENCY_RATIO) if graphed else lk
+
+    # The local flash-decode step streams its K, V shard from HBM; its FLOPs (4 b n_q h s d) are negligible.
+    local = 2 * pb.batch * pb.shard * pb.kv_heads * pb.head_dim * pb.dtype_bytes / hw.mem_bw + k["local"] * launch
+    if P == 1:
+        return local
+    merge = pb.batch * pb.n_q * pb.heads * pb.head_dim * MERGE_BYTES / hw.mem_bw + k["merge"] * launch
+    if method == "ring-decode":
+        steps = [local] + [local + merge] * (P - 2)
+        return overlapped(steps, [link(p2p=True).t(_ring_decode_msg(pb))] * (P - 1)) + local + merge
+    o = pb.batch * pb.n_q * pb.heads * pb.head_dim * acc
+    r = pb.batch * pb.heads * pb.n_q * acc
+    if method == "tree-allgather":
+        # One all-gather of every rank's packed (o, lse); one kernel reads the P partials and writes the output.
+        return local + link(p2p=False).t((P - 1) * (o + r)) + k[method] * launch + (P + 1) * (o + r) / hw.mem_bw
+    ar = link(p2p=False, collective="allreduce")
+    if method == "tree-allreduce3":
+        return (local + ar.t(2 * (P - 1) * r / P) + ar.t(2 * (P - 1) * o / P) + ar.t(2 * (P - 1) * r / P)
+                + k[method] * launch)
+    return local + ar.t(2 * (P - 1) * r / P) + ar.t(2 * (P - 1) * (o + r) / P) + k[method] * launch
+
+
+def choose_decode(pb: DecodeProblem, hw: Hardware, candidates=DECODE_METHODS, *,
+                  graphed: bool = False) -> tuple[str, dict[str, float]]:
+    """The fastest decode method by the model, and every candidate's predicted seconds."""
+    times = {m: predict_decode(m, pb, hw, graphed=graphed) for m in candidates}
+    if not times:
+        raise ValueError("choose_decode: candidates is empty")
+    return min(times, key=times.get), times
+
+
+def choose_tree_variant(pb: DecodeProblem, hw: Hardware, *, graphed: bool) -> tuple[str, dict[str, float]]:
+    """tree_decode's merge variant ("allreduce3" | "allreduce2" | "allgather") the model predicts fastest for
+    one layer, eager or graphed, and every variant's predicted seconds (keyed by variant)."""
+    best, times = choose_decode(pb, hw, DECODE_METHODS[:3], graphed=graphed)
+    return best.split("-", 1)[1], {m.split("-", 1)[1]: t for m, t in times.items()}
