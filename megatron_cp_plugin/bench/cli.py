@@ -1,6 +1,7 @@
 """`megatron-cp-bench SUBCOMMAND [flags]`: every benchmark behind one command (`--help` on each).
 
     torchrun --nproc-per-node 2 -m megatron_cp_plugin.bench attention --seq 131072 [--slow-link]
+    torchrun --nproc-per-node 2 -m megatron_cp_plugin.bench packed --tokens 131072 --mean-doc 4096
     torchrun --nproc-per-node 2 -m megatron_cp_plugin.bench decode --context 32768 131072 524288
     torchrun --nproc-per-node 2 -m megatron_cp_plugin.bench model --config configs/gpt3-760m.toml --seq-length 65536
     python -m megatron_cp_plugin.bench deft | flash-decode | local-attn | cost-model --table ...
@@ -17,6 +18,7 @@ import sys
 
 SUBCOMMANDS = {
     "attention": ("megatron_cp_plugin.bench.cp_attention", "CP attention algorithms, single GPU and anchors"),
+    "packed": ("megatron_cp_plugin.bench.packed", "packed documents: every algorithm vs single-GPU varlen"),
     "decode": ("megatron_cp_plugin.bench.decode", "tree decoding variants vs ring decoding vs one GPU"),
     "layer": ("megatron_cp_plugin.bench.model", "one Megatron transformer layer per algorithm"),
     "model": ("megatron_cp_plugin.bench.model", "a whole GPT config per algorithm: tokens/s, TFLOP/s, MFU"),
