@@ -323,7 +323,10 @@ def main(argv=None) -> int:
         for name in (sorted(TABLES) if a.table and "all" in a.table else a.table or []):
             sections[name] = table_measured(load_measured(a.measured)) if name == "measured" else TABLES[name]()
         if a.seq is not None:
-            grid = tuple(int(x) for x in a.grid.lower().split("x")) if a.grid else None
+            try:
+                grid = tuple(int(x) for x in a.grid.lower().split("x")) if a.grid else None
+            except ValueError:
+                raise ValueError(f"--grid must be RxC (e.g. 2x2), got {a.grid!r}") from None
             pb = Problem(a.seq, a.cp, a.heads, a.kv_heads, a.head_dim, a.batch, grid=grid)
             sections["problem"] = [table_problem(pb, HARDWARE[a.hardware])]
     except (FileNotFoundError, ValueError) as e:
