@@ -147,3 +147,40 @@ def test_pack_documents_splits_at_eod_pads_and_resets_positions():
     assert kept["tokens"].shape == (1, 16) and kept["cu_seqlens"].tolist() == [0, 4, 8, 12, 16]
     assert kept["tokens"][0, 12:].tolist() == [7, 7, 7, 7] and kept["dropped"] == 3 + 3
     assert kept["labels"][0, :3].tolist() == [101, 102, 109] and kept["max_seqlen"] == 4
+
+
+def test_packed_rope_tables():
+    """THD: zigzag gets the plain table (Megatron slices it per document, as TE's layout); cyclic gets a
+    whole-sequence table Megatron's per-document zigzag slicer reads as cyclic in-document positions; TE's
+    fused THD RoPE cannot do that, so it is refused for cyclic layouts."""
+    from megatron.core.models.common.embeddings.rope_utils import _get_thd_freqs_on_this_cp_rank
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    from megatron_cp_plugin.megatron.batch import packed_seq_params
+    from megatron_cp_plugin.megatron.rope import CPRotaryEmbedding
+
+    class Group:
+        def size(self):
+            return 2
+
+        def rank(self):
+            return 1
+
+    inner = RotaryEmbedding(kv_channels=8, rotary_percent=1.0, use_cpu_initialization=True)
+    cu = torch.tensor([0, 8, 12], dtype=torch.int32)
+    full = CPRotaryEmbedding(inner, algo="ring", cp_group=Group())._full_table(8, 0)
+    zig = CPRotaryEmbedding(inner, algo="ring", cp_group=Group())
+    assert torch.equal(zig(8, packed_seq=True), full)
+    cyc = CPRotaryEmbedding(inner, algo="attention2d-no", cp_group=Group())
+    cyc.packed_seq_params = packed_seq_params(cu)
+    table = cyc(8, packed_seq=True)
+    assert table.shape[0] == 12
+    # What Megatron's THD path reads for rank 1's local rows (4 of document 0, 2 of document 1): in-document
+    # positions 1, 3, 5, 7 and 1, 3 (cyclic), not zigzag's 2, 3, 4, 5 and 1, 2.
+    read = torch.cat([_get_thd_freqs_on_this_cp_rank(1, 2, torch.empty(n), table, int(o))
+                      for n, o in ((4, 0), (2, 8))])
+    assert torch.equal(read, full[[1, 3, 5, 7, 1, 3]])
+    fused = CPRotaryEmbedding(inner, algo="attention2d-o", cp_group=Group(), rope_fusion=True)
+    fused.packed_seq_params = cyc.packed_seq_params
+    with pytest.raises(ValueError, match="--no-rope-fusion"):
+        fused(8, packed_seq=True)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels.segments import Segments
+from ..kernels.segments import Segments, to_device
 
 
 @dataclass(frozen=True)
@@ -45,4 +45,4 @@ def _zigzag_order(offsets, world, device):
     first = [torch.arange(s, (s + e) // 2) for s, e in local]
     second = [torch.arange((s + e) // 2, e) for s, e in local]
     order = torch.cat(first + second)
-    return order.to(device), torch.argsort(order).to(device)
+    return to_device(order, device), to_device(torch.argsort(order), device)

@@ -47,7 +47,7 @@ import torch
 
 from . import flash_decode as fd
 from .math_attn import _empty_result, acc_dtype, attention_delta, math_bwd, math_fwd, math_segments
-from .segments import Segments, nonempty, strict_view
+from .segments import Segments, index_tensor, nonempty, strict_view
 
 MASKS = ("none", "causal", "causal_strict")
 BACKENDS = ("cudnn", "flash", "flash_attn", "math")
@@ -211,7 +211,7 @@ def _varlen_fwd(q, k, v, mask, scale, backend, chunk, sq: Segments, sk: Segments
             view, dead = strict_view(sq)
             o_v, lse_v = _VARLEN_FWD[backend](q[:, 1:], k[:, :-1], v[:, :-1], view, view, True, scale, chunk)
             if dead:                                        # the dummy rows between documents see nothing
-                idx = torch.tensor(dead, device=q.device)
+                idx = index_tensor(dead, q.device)
                 o_v[:, idx] = 0
                 lse_v[:, :, idx] = float("-inf")
             o[:, 1:], lse[:, :, 1:] = o_v, lse_v
@@ -230,7 +230,7 @@ def _varlen_bwd(do, q, k, v, o, lse, mask, scale, backend, chunk, sq: Segments, 
         lse_v = lse[:, :, 1:]
         if dead:                                            # P = exp(S - inf) = 0: the dummies add nothing
             lse_v = lse_v.clone()
-            lse_v[:, :, torch.tensor(dead, device=q.device)] = float("inf")
+            lse_v[:, :, index_tensor(dead, q.device)] = float("inf")
         g = _VARLEN_BWD[backend](do[:, 1:], q[:, 1:], k[:, :-1], v[:, :-1], o[:, 1:], lse_v, view, view, True, scale,
                                  chunk)
         out = tuple(x.new_zeros(t.shape) for x, t in zip(g, (q, k, v)))

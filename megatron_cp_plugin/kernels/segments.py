@@ -64,9 +64,24 @@ class Segments:
         return _ids(self.offsets, torch.device(device))
 
 
+def to_device(x: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor on `device` without making the host wait for the GPU's queue (pinned, asynchronous copy;
+    torch keeps the pinned buffer alive until the copy is done)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return x.to(device)
+    return x.pin_memory().to(device, non_blocking=True)
+
+
+@functools.lru_cache(maxsize=256)
+def index_tensor(values: tuple[int, ...], device) -> torch.Tensor:
+    """LongTensor of `values` on `device`, made once per (values, device)."""
+    return to_device(torch.tensor(values, dtype=torch.long), device)
+
+
 @functools.lru_cache(maxsize=256)
 def _cu(offsets, device):
-    return torch.tensor(offsets, dtype=torch.int32, device=device)
+    return to_device(torch.tensor(offsets, dtype=torch.int32), device)
 
 
 @functools.lru_cache(maxsize=256)
@@ -74,7 +89,7 @@ def _ids(offsets, device):
     offs = torch.tensor(offsets, dtype=torch.long)
     lens = offs[1:] - offs[:-1]
     seg = torch.repeat_interleave(torch.arange(len(lens)), lens)
-    return seg.to(device), (torch.arange(offsets[-1]) - offs[:-1][seg]).to(device)
+    return to_device(seg, device), to_device(torch.arange(offsets[-1]) - offs[:-1][seg], device)
 
 
 def nonempty(sq: Segments, sk: Segments) -> tuple[Segments, Segments]:
