@@ -15,6 +15,8 @@ a data loader's documents to it.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
@@ -56,12 +58,20 @@ def document_offsets(cu_seqlens, *, unit: int = 1, total: int | None = None, why
             raise ValueError(f"cu_seqlens must be a 1-D integer tensor [n_docs + 1], got {cu_seqlens.dtype} "
                              f"{tuple(cu_seqlens.shape)}")
         offs = tuple(int(x) for x in cu_seqlens.tolist())
+    elif isinstance(cu_seqlens, tuple) and all(type(x) is int for x in cu_seqlens):
+        offs = cu_seqlens                                        # host ints already (the fast path per layer)
     else:
         try:
             offs = tuple(int(x) for x in cu_seqlens)
         except TypeError:
             raise ValueError(f"cu_seqlens must be a 1-D integer tensor [n_docs + 1], got {type(cu_seqlens).__name__}") \
                 from None
+    return _checked(offs, unit, total, why)
+
+
+@functools.lru_cache(maxsize=64)
+def _checked(offs: tuple[int, ...], unit: int, total: int | None, why: str) -> tuple[int, ...]:
+    """document_offsets' checks, once per (boundaries, unit): every layer of a model sees the same packing."""
     if len(offs) < 2 or offs[0] != 0:
         raise ValueError(f"cu_seqlens must start at 0 and hold at least one document, got {list(offs[:8])}")
     for i in range(len(offs) - 1):

@@ -54,7 +54,7 @@ def _check_inputs(q, k, v, algo, group, softmax_scale, backend, cu_seqlens):
                              f"got q {tuple(q.shape)}")
         offs = document_offsets(cu_seqlens, unit=document_unit(algo, world), total=world * s,
                                 why=_unit_words(algo, world))
-        packing = Packing(offs, world)
+        packing = Packing.of(offs, world)
     elif layout == "zigzag" and s % 2 != 0:
         raise ValueError(f"q: the local sequence length {s} must be even: the full sequence (P * s = {world * s}) "
                          f"must be divisible by 2P = {2 * world} for the zigzag layout of algo={algo!r}")

@@ -23,6 +23,13 @@ class Packing:
     world: int
     """Ranks in the context-parallel group."""
 
+    @staticmethod
+    @functools.lru_cache(maxsize=16)
+    def of(offsets: tuple[int, ...], world: int) -> "Packing":
+        """The Packing of (offsets, world), one object per packing, so that its derived segments are computed
+        once for all of a model's layers."""
+        return Packing(offsets, world)
+
     @functools.cached_property
     def local(self) -> Segments:
         """Documents along every rank's shard: each holds 1/P of each document."""

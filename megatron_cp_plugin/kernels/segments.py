@@ -92,6 +92,7 @@ def _ids(offsets, device):
     return to_device(seg, device), to_device(torch.arange(offsets[-1]) - offs[:-1][seg], device)
 
 
+@functools.lru_cache(maxsize=256)
 def nonempty(sq: Segments, sk: Segments) -> tuple[Segments, Segments]:
     """The pairs left after dropping those with no query and no key row (kernels need no empty launches)."""
     keep = [i for i in range(sq.count) if sq.offsets[i + 1] > sq.offsets[i] or sk.offsets[i + 1] > sk.offsets[i]]
