@@ -42,7 +42,7 @@ def zigzag_blocks(q_owner: int, kv_owner: int, s_local: int, causal: bool, packi
         return [(ALL, ALL, "causal" if causal else "none", packing.local)]
     half = s_local // 2
     a, b, seg = slice(0, half), slice(half, None), packing.halves
-    if q_owner == kv_owner:                       # A sees A causally; B sees all of A and B causally
+    if q_owner == kv_owner:                       # A sees A causally; B sees all of A, and B causally
         return [(a, a, "causal", seg), (b, a, "none", seg), (b, b, "causal", seg)]
     if kv_owner < q_owner:                        # key chunk c precedes both query chunks; 2P-1-c follows both
         return [(a, a, "none", seg), (b, a, "none", seg)]

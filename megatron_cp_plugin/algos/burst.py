@@ -9,7 +9,7 @@ Backward: Alg. 2: D_i = rowsum(dO_i o O_i) (line 2); (Q_j, dQ_j, dO_j, D_j, lse_
 locally and dQ_j into the travelling accumulator (lines 8-14); dQ_j ends on its owner. We send the dQ
 accumulator one step behind Q_j (it is ready only after the compute), which is the same traffic.
 Causal balance: the paper's Table 1 has none; here shards are zigzag, so every step is half a block
-(`_zigzag.py`) on every rank.
+(`_zigzag.py`) on every rank; packed sequences run the varlen calls of `_zigzag.zigzag_blocks`.
 
 Bytes sent per rank and call (e = element size, n_q = b * s_local * h * d, acc = 4, or 8 for fp64):
   forward  (P - 1) * 2 * n_kv * e                                   (K, V; as ring)

@@ -4,7 +4,7 @@ Forward: K, V travel the ring; each step's block result merges into the running 
 (this is also BurstAttention's forward, Alg. 1 of burst-attention.txt, which `burst.py` reuses).
 Backward: K, V travel the ring again, and the dK, dV accumulators of each K, V block travel with it one step
 behind, ending on their owner. The next step's send/recv is posted before the current block's compute so the
-two overlap on GPU.
+two overlap on GPU. Packed sequences (cu_seqlens): each step is the varlen calls of `_zigzag.zigzag_blocks`.
 
 Bytes sent per rank and call (e = element size, n_kv = b * s_local * h_kv * d, acc = 4, or 8 for fp64):
   forward  (P - 1) * 2 * n_kv * e                       (K, V)
