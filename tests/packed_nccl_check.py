@@ -49,7 +49,8 @@ def _attention_check(a, rank, world, dev, built):
     cu = torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32)
     runs = []
     for algo in a.algos:
-        runs += [(algo, g, grid) for g, grid in built.items()] if algo.startswith("attention2d") else [(algo, None, None)]
+        a2d = algo.startswith("attention2d")
+        runs += [(algo, g, grid) for g, grid in built.items()] if a2d else [(algo, None, None)]
     failures = 0
     for causal, (h, hk) in itertools.product((True, False), ((8, 8), (8, 2))):
         mask = "causal" if causal else "none"
@@ -83,7 +84,8 @@ def _attention_check(a, rank, world, dev, built):
             if rank == 0:
                 worst = [tuple(max(r[1][i][j] for r in every) for j in range(3)) for i in range(4)]
                 where = "" if g is None else f" grid {g[0]}x{g[1]}{' row-major' if g[2] else ''}"
-                errs = "  ".join(f"{n} {e:.2e} (1GPU {e1:.2e}, vs own O {e2:.1e})" for n, (e, e1, e2) in zip(NAMES, worst))
+                errs = "  ".join(f"{n} {e:.2e} (1GPU {e1:.2e}, vs own O {e2:.1e})"
+                                 for n, (e, e1, e2) in zip(NAMES, worst))
                 print(f"packed {algo}{where} P={world} T={int(cu[-1])} docs={len(lens)} causal={causal!s:5s} "
                       f"h={h}/{hk}: {errs}  {'ok' if all(r[0] for r in every) else 'FAIL'}", flush=True)
             del ql, kl, vl, o, same_o
@@ -163,8 +165,8 @@ def main():
     total = torch.tensor([failures], device=dev)
     dist.all_reduce(total)
     if rank == 0:
-        print(f"packed_nccl_check P={world}: {'all ok' if total.item() == 0 else f'{total.item()} rank-level failures'}",
-              flush=True)
+        verdict = "all ok" if total.item() == 0 else f"{total.item()} rank-level failures"
+        print(f"packed_nccl_check P={world}: {verdict}", flush=True)
     dist.destroy_process_group()
     sys.exit(1 if total.item() else 0)
 

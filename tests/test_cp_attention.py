@@ -365,7 +365,8 @@ def _bad(rank, world, case):
 @pytest.mark.parametrize("case,needle", [
     ("odd_seq", "q:"), ("heads", "heads"), ("shape", "k, v"), ("kv_shape", "k and v"), ("dtype", "dtype"),
     ("device", "device"), ("algo", "algo"), ("group", "group"), ("backend", "backend"), ("shard_len", "x.shape[1]"),
-    ("cyclic_len", "x.shape[1]"), ("grid", "grid"), ("cu_unit", "cu_seqlens: document 1 (tokens 12..13) has length 2, not a multiple of 6 (2 x 3 ranks"),
+    ("cyclic_len", "x.shape[1]"), ("grid", "grid"),
+    ("cu_unit", "cu_seqlens: document 1 (tokens 12..13) has length 2, not a multiple of 6 (2 x 3 ranks"),
     ("cu_total", "cu_seqlens[-1] = 12 must equal the packed sequence length 6"), ("cu_batch", "cu_seqlens: packed"),
     ("cu_shard", "cu_seqlens: document 0 (tokens 0..3) has length 4, not a multiple of 3 (3 ranks"),
 ])

@@ -121,8 +121,9 @@ def packed_offsets(params) -> tuple[int, ...]:
     kv = params.cu_seqlens_kv_padded if params.cu_seqlens_kv_padded is not None else params.cu_seqlens_kv
     if q is None:
         raise ValueError("packed_seq_params: cu_seqlens_q is None")
-    offs = document_offsets(q.flatten() if isinstance(q, torch.Tensor) else q)
-    if kv is not None and kv is not q and document_offsets(kv.flatten() if isinstance(kv, torch.Tensor) else kv) != offs:
+    flat = lambda x: x.flatten() if isinstance(x, torch.Tensor) else x  # noqa: E731 (Megatron's [1, n] too)
+    offs = document_offsets(flat(q))
+    if kv is not None and kv is not q and document_offsets(flat(kv)) != offs:
         raise ValueError("packed_seq_params: cu_seqlens_q and cu_seqlens_kv differ; self-attention needs one set")
     params._cp_offsets = offs
     return offs
