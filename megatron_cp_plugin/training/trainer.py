@@ -98,7 +98,13 @@ class Trainer:
 
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, use_distributed_optimizer=self.distributed_optimizer,
-            use_megatron_fsdp=bool(self.fsdp), data_parallel_sharding_strategy=self.fsdp or "no_shard")
+            use_megatron_fsdp=bool(self.fsdp), data_parallel_sharding_strategy=self.fsdp or "no_shard",
+            # Megatron-FSDP as Megatron-LM's recipes run it: gradients reduce-scattered per layer during the
+            # backward; ZeRO-3 weights gathered per layer just before use (without this, the optimizer step
+            # gathers all of them at once and they stay until the next forward). With "optim" (nothing but
+            # the optimizer state sharded) 0.16.1 trains wrong with either overlap: both stay off there.
+            overlap_grad_reduce=self.fsdp in ("optim_grads", "optim_grads_params"),
+            overlap_param_gather=self.fsdp == "optim_grads_params")
         if not self.fsdp:
             return DistributedDataParallel(config, ddp_config, model)
         from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
