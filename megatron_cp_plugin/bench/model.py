@@ -8,7 +8,8 @@ on one process unless --no-cp1, each writing its --result-json; every flag this 
 passed to pretraining (model size, --config files, --bf16, --use-distributed-optimizer, ...). `layer` is
 `model --num-layers 1`. MFU divides the model TFLOP/s per GPU (pretraining's formula, printed) by the bf16
 matmul peak measured in the same run (an 8192^3 matmul on GPU 0). The CP = 1 run also gives each algorithm's
-largest loss difference from it over the same iterations.
+largest loss difference from it over the same iterations; without one (--no-cp1, or when it failed) the
+table has no loss-difference column.
 """
 from __future__ import annotations
 
@@ -69,15 +70,17 @@ def main(argv=None):
             rows.append({"run": f"{name} (failed: {str(r.get('error'))[:120]})"})
             continue
         losses = r.get("losses") or []
-        diff = max((abs(x - y) for x, y in zip(losses, ref)), default=float("nan")) if ref and name != "CP=1" else 0.0
         tf = r.get("tflops_per_gpu") or float("nan")
-        rows.append({"run": name, "P": r.get("world_size", 1), "seq": r.get("seq_length"),
-                     "step_ms": 1e3 * (r.get("step_time_median_s") or float("nan")),
-                     "tokens_per_s": r.get("tokens_per_s"), "TFLOPs_per_GPU": tf,
-                     "MFU": tf / peak if peak else float("nan"), "peak_mem_GB": r.get("peak_mem_gb"),
-                     "max_loss_diff_vs_cp1": diff, "final_loss": losses[-1] if losses else float("nan")})
-    from megatron_cp_plugin.pretrain import _flops_per_iter
-    formula = " ".join(_flops_per_iter.__doc__.split())
+        row = {"run": name, "P": r.get("world_size", 1), "seq": r.get("seq_length"),
+               "step_ms": 1e3 * (r.get("step_time_median_s") or float("nan")),
+               "tokens_per_s": r.get("tokens_per_s"), "TFLOPs_per_GPU": tf,
+               "MFU": tf / peak if peak else float("nan"), "peak_mem_GB": r.get("peak_mem_gb"),
+               "final_loss": losses[-1] if losses else float("nan")}
+        if ref and name != "CP=1":                    # only a CP = 1 run that finished gives a difference
+            row["max_loss_diff_vs_cp1"] = max((abs(x - y) for x, y in zip(losses, ref)), default=float("nan"))
+        rows.append(row)
+    from megatron_cp_plugin.training.report import flops_per_iter
+    formula = " ".join(flops_per_iter.__doc__.split())
     header = (f"model: {' '.join(flags)}; {a.nproc} x "
               f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}; step time = median over "
               f"the timed iterations; model FLOPs per iteration: {formula}; matmul peak {peak:.0f} TFLOP/s (bf16 "

@@ -1,0 +1,30 @@
+"""megatron-cp-bench model on CPU processes: the loss difference from CP = 1 appears only when a CP = 1 run
+exists."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _bench(tmp_path, name, *flags):
+    out = tmp_path / name
+    r = subprocess.run([sys.executable, "-W", "ignore", "-m", "megatron_cp_plugin.bench", "model", "--nproc", "2",
+                        "--algos", "ring", "--out", str(out), "--config", str(REPO / "configs/tiny.toml"),
+                        "--train-iters", "3", *flags], capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return {row["run"]: row for row in json.loads((out.parent / (out.name + ".json")).read_text())["rows"]}
+
+
+def test_loss_difference_only_against_a_cp1_run(tmp_path):
+    rows = _bench(tmp_path, "with")
+    assert set(rows) == {"CP=1", "ring"}
+    assert "max_loss_diff_vs_cp1" not in rows["CP=1"]
+    assert 0 <= rows["ring"]["max_loss_diff_vs_cp1"] <= 1e-4       # fp32 on CPU: CP = 2 repeats CP = 1
+    rows = _bench(tmp_path, "without", "--no-cp1")
+    assert set(rows) == {"ring"} and "max_loss_diff_vs_cp1" not in rows["ring"]
+    assert rows["ring"]["final_loss"] > 0
+    assert "max_loss_diff" not in (tmp_path / "without.md").read_text()
