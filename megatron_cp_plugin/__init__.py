@@ -1,4 +1,7 @@
 """megatron-cp-plugin: exact context-parallel attention for Megatron-LM (public API)."""
+from . import quiet as _quiet
+
+_quiet.install()        # before anything imports megatron-core: its TE / Apex fallback warnings (quiet.py)
 from .algos import ALGORITHMS, context_parallel_attention
 from .algos.tree_decode import tree_decode
 from .comm import CommStats, CPGrid, attention2d_bytes, choose_grid
