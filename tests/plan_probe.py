@@ -38,7 +38,8 @@ def probe(args) -> None:
     cp_cfg = validate_args(args, dist.get_world_size())
     install_cuda_on_cpu()
     ps.initialize_model_parallel(context_parallel_size=args.context_parallel_size)
-    tr = Trainer(args, cp_cfg, torch.device("cpu"))
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    tr = Trainer(args, cp_cfg, device)
     tr.train_step()
     gc.collect()
     static = _storage_bytes(o for o in gc.get_objects() if isinstance(o, torch.Tensor))
@@ -63,7 +64,7 @@ def probe(args) -> None:
             kept[kind][st[0]] = st[1]
     if dist.get_rank() == 0:
         with open(args.probe_out, "w") as f:
-            json.dump({"n_params": tr.n_params, "static_bytes": static,
+            json.dump({"n_params": tr.n_params, "static_bytes": static, "device": device.type,
                        "saved_norm_bytes": sum(kept["norm"].values()),
                        "saved_rest_bytes": sum(kept["rest"].values())}, f)
     loss.backward()

@@ -10,9 +10,9 @@ import shutil
 import subprocess
 import sys
 
-import numpy as np
 import pytest
-import torch
+
+from .ckpt_compare import read_checkpoint, same
 
 TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8", "--num-query-groups", "2",
         "--seq-length", "256", "--micro-batch-size", "2", "--lr", "1e-3", "--min-lr", "1e-4", "--log-interval", "1",
@@ -30,34 +30,6 @@ def _pretrain(*flags, timeout=300):
 def _losses(path):
     with open(path) as f:
         return [json.loads(line)["loss"] for line in f]
-
-
-def _flat(tree, prefix=""):
-    """{dotted key: leaf} of nested dicts / lists."""
-    if isinstance(tree, dict):
-        return {k: v for key, sub in tree.items() for k, v in _flat(sub, f"{prefix}{key}.").items()}
-    if isinstance(tree, (list, tuple)):
-        return {k: v for i, sub in enumerate(tree) for k, v in _flat(sub, f"{prefix}{i}.").items()}
-    return {prefix[:-1]: tree}
-
-
-def _read(ckpt_dir, tmp_path):
-    """Every tensor and object a checkpoint holds (both formats are torch.distributed.checkpoint underneath)."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    out = tmp_path / f"{ckpt_dir.parent.name}_{ckpt_dir.name}.pt"
-    dcp_to_torch_save(str(ckpt_dir), str(out))
-    return _flat(torch.load(out, weights_only=False))
-
-
-def _same(a, b):
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-    if isinstance(a, np.ndarray):                                        # NumPy's generator state
-        return isinstance(b, np.ndarray) and np.array_equal(a, b)
-    if isinstance(a, float) and a != a:                                  # NaN
-        return isinstance(b, float) and b != b
-    return a == b
 
 
 @pytest.mark.parametrize("layout", [
@@ -79,15 +51,15 @@ def test_resumed_run_equals_uninterrupted_run_bit_for_bit(tmp_path, layout):
     assert len(ref_losses) == 6 and len(res_losses) == 3
     assert res_losses == ref_losses[3:], (ref_losses, res_losses)       # bit for bit, 3 steps after the resume
 
-    a, b = _read(ref / "iter_0000006", tmp_path), _read(res / "iter_0000006", tmp_path)
+    a, b = read_checkpoint(ref / "iter_0000006", tmp_path), read_checkpoint(res / "iter_0000006", tmp_path)
     assert a.keys() == b.keys()
     moments = [k for k in a if "exp_avg" in k]
     assert moments and any(k.startswith("model") for k in a) and any("rng_state" in k for k in a)
-    diff = [k for k in a if not _same(a[k], b[k])]
+    diff = [k for k in a if not same(a[k], b[k])]
     assert not diff, diff[:10]
     # The checkpoints differ from the start's: the comparison is not between two untouched copies.
-    s = _read(start / "iter_0000003", tmp_path)
-    assert not all(_same(s[k], a[k]) for k in moments)
+    s = read_checkpoint(start / "iter_0000003", tmp_path)
+    assert not all(same(s[k], a[k]) for k in moments)
 
 
 def test_loading_into_another_layout_fails_at_start_up(tmp_path):

@@ -67,6 +67,8 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     a("--eval-interval", type=int, default=None)
     a("--eval-iters", type=int, default=2)
     a("--seed", type=int, default=1234)
+    a("--deterministic-mode", action="store_true", help="as Megatron-LM: deterministic torch kernels where they "
+      "exist (torch.use_deterministic_algorithms, warn-only); set CUBLAS_WORKSPACE_CONFIG=:4096:8 too")
     a("--dist-timeout", type=float, default=60.0, help="seconds a collective waits for a peer before failing")
     a("--nproc", type=int, default=None, help="spawn this many local processes (instead of torchrun)")
     a("--log-json", default=None, help="append one JSON line per logged iteration to this file")
@@ -176,7 +178,8 @@ def transformer_config(args, gpu: bool):
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         context_parallel_size=args.context_parallel_size, normalization="RMSNorm", bf16=args.bf16,
         params_dtype=torch.bfloat16 if args.bf16 else torch.float32, use_cpu_initialization=not gpu,
-        calculate_per_token_loss=True, **recompute_kwargs(args))
+        calculate_per_token_loss=True, deterministic_mode=getattr(args, "deterministic_mode", False),
+        **recompute_kwargs(args))
 
 
 def recompute_kwargs(args) -> dict:

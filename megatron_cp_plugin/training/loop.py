@@ -36,6 +36,8 @@ def train(args) -> list[float]:
         if recompute_kwargs(args):
             from ..megatron.cpu_shim import apply_cpu_recompute_shim
             apply_cpu_recompute_shim()
+    if args.deterministic_mode:
+        torch.use_deterministic_algorithms(True, warn_only=True)
     ps.initialize_model_parallel(tensor_model_parallel_size=args.tensor_model_parallel_size,
                                  context_parallel_size=args.context_parallel_size)
     trainer = Trainer(args, cp_cfg, device)
