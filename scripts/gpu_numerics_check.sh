@@ -10,20 +10,9 @@
 #                         Attention2D on every grid of n, bf16 and fp16 large activations, S = $SEQ
 #   summary.txt           one line per step: exit code and seconds
 # Exits non-zero if any step fails or is skipped for time.
-OUT=${OUT:-results}; mkdir -p "$OUT"; : > "$OUT/summary.txt"
-export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
+OUT=${OUT:-results}
 SEQ=${SEQ:-32768}; BUDGET=${BUDGET:-340}
-GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())")
-status=0
-step() {  # step NAME MAX_S CMD...: run CMD, output to $OUT/NAME.log, within MAX_S and what is left of BUDGET
-  local name=$1 limit=$2 start=$SECONDS rc; shift 2
-  local left=$((BUDGET - SECONDS)); [ "$left" -lt "$limit" ] && limit=$left
-  if [ "$limit" -lt 30 ]; then echo "$name: skipped, out of time: $*" | tee -a "$OUT/summary.txt"; status=1; return; fi
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; rc=$?
-  echo "$name: rc=$rc, $((SECONDS - start)) s (limit $limit): $*" | tee -a "$OUT/summary.txt"
-  [ "$rc" = 0 ] || status=1
-}
-echo "GPUs: $GPUS" | tee -a "$OUT/summary.txt"
+source "$(dirname "$0")/gpu_steps.sh"
 step large_activation 90 python3 tests/large_activation_check.py
 step pytest_gpu 90 python3 -m pytest -q -rs -p no:cacheprovider tests/test_local_attn.py -k large_activations_on_gpu
 for n in 2 4 8; do

@@ -15,20 +15,9 @@
 #                       fwd+bwd of every algorithm, packed and unpacked, vs single-GPU varlen and dense attention
 #   summary.txt         one line per step: exit code and seconds
 # Exits non-zero if any step fails or is skipped for time.
-OUT=${OUT:-results}; mkdir -p "$OUT"; : > "$OUT/summary.txt"
-export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
+OUT=${OUT:-results}
 BUDGET=${BUDGET:-340}; TOKENS=${TOKENS:-131072}
-GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())")
-status=0
-step() {  # step NAME MAX_S CMD...: run CMD, output to $OUT/NAME.log, within MAX_S and what is left of BUDGET
-  local name=$1 limit=$2 start=$SECONDS rc; shift 2
-  local left=$((BUDGET - SECONDS)); [ "$left" -lt "$limit" ] && limit=$left
-  if [ "$limit" -lt 30 ]; then echo "$name: skipped, out of time: $*" | tee -a "$OUT/summary.txt"; status=1; return; fi
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; rc=$?
-  echo "$name: rc=$rc, $((SECONDS - start)) s (limit $limit): $*" | tee -a "$OUT/summary.txt"
-  [ "$rc" = 0 ] || status=1
-}
-echo "GPUs: $GPUS" | tee -a "$OUT/summary.txt"
+source "$(dirname "$0")/gpu_steps.sh"
 if [ "$GPUS" -lt 2 ]; then echo "needs 2 GPUs, found $GPUS" | tee -a "$OUT/summary.txt"; exit 1; fi
 MEGATRON=""
 python3 -c "import megatron.core" > /dev/null 2>&1 && MEGATRON="--megatron"

@@ -38,6 +38,22 @@ def _rel_l2(x, ref):
     return (torch.linalg.vector_norm(x.double() - ref.double()) / torch.linalg.vector_norm(ref.double())).item()
 
 
+def judge(ours, ref, single, same_o, shard, same_bar, label) -> bool:
+    """Per tensor (o, dq, dk, dv): our error against fp64 `ref` within 2x the single-GPU same-dtype error, and
+    against the single-GPU backward of our own gathered O (`same_o`, None for o) within `same_bar`; gathered
+    over the ranks, rank 0 prints one line `label: ... ok|FAIL`. Returns this rank's verdict."""
+    row = [(_rel_l2(x, shard(r)), _rel_l2(shard(s1), shard(r)), 0.0 if s2 is None else _rel_l2(x, shard(s2)))
+           for x, r, s1, s2 in zip(ours, ref, single, same_o)]
+    ok = all(e <= 2 * e1 and e2 <= same_bar for e, e1, e2 in row)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (ok, row))
+    if dist.get_rank() == 0:
+        worst = [tuple(max(r[1][i][j] for r in every) for j in range(3)) for i in range(4)]
+        errs = "  ".join(f"{n} {e:.2e} (1GPU {e1:.2e}, vs own O {e2:.1e})" for n, (e, e1, e2) in zip(NAMES, worst))
+        print(f"{label}: {errs}  {'ok' if all(r[0] for r in every) else 'FAIL'}", flush=True)
+    return ok
+
+
 def grids(world: int):
     """Every Attention2D grid of `world` ranks as (rows, cols, gpus_per_node): column-major for each
     R x C = P, and the node-aware row-major placement where it differs (R, C > 1)."""
@@ -89,20 +105,9 @@ def main():
             o = mcp.context_parallel_attention(ql, kl, vl, algo=algo, causal=causal, group=grid)
             o.backward(shard(do))
             same_o = (None,) + block_bwd(do, q, k, v, mcp.unshard_sequence(o.detach(), algo=algo), lse1, mask=mask)
-            row = []                            # per tensor: (error, single-GPU error, error against same_o)
-            for x, r, s1, s2 in zip((o, ql.grad, kl.grad, vl.grad), ref, single, same_o):
-                row.append((_rel_l2(x, shard(r)), _rel_l2(shard(s1), shard(r)),
-                            0.0 if s2 is None else _rel_l2(x, shard(s2))))
-            ok = all(e <= 2 * e1 and e2 <= same_bar for e, e1, e2 in row)
-            every = [None] * world
-            dist.all_gather_object(every, (ok, row))
-            failures += not ok
-            if rank == 0:
-                worst = [tuple(max(r[1][i][j] for r in every) for j in range(3)) for i in range(4)]
-                where = "" if g is None else f" grid {g[0]}x{g[1]}{' row-major' if g[2] else ''}"
-                errs = "  ".join(f"{n} {e:.2e} (1GPU {e1:.2e}, vs own O {e2:.1e})" for n, (e, e1, e2) in zip(NAMES, worst))
-                print(f"{algo}{where} P={world} S={a.seq} {case} causal={causal!s:5s} h={h}/{hk}: {errs}  "
-                      f"{'ok' if all(r[0] for r in every) else 'FAIL'}", flush=True)
+            where = "" if g is None else f" grid {g[0]}x{g[1]}{' row-major' if g[2] else ''}"
+            failures += not judge((o, ql.grad, kl.grad, vl.grad), ref, single, same_o, shard, same_bar,
+                                  f"{algo}{where} P={world} S={a.seq} {case} causal={causal!s:5s} h={h}/{hk}")
             del ql, kl, vl, o, same_o
         del ref, single, o1, lse1
     total = torch.tensor([failures], device=dev)

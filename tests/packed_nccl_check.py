@@ -26,20 +26,7 @@ from megatron_cp_plugin.bench._common import init_distributed
 from megatron_cp_plugin.bench.packed import document_lengths
 from megatron_cp_plugin.kernels.local_attn import block_bwd, block_fwd
 
-NAMES = ("o", "dq", "dk", "dv")
-
-
-def _rel_l2(x, ref):
-    return (torch.linalg.vector_norm(x.double() - ref.double()) / torch.linalg.vector_norm(ref.double())).item()
-
-
-def grids(world: int):
-    out = []
-    for r in (r for r in range(1, world + 1) if world % r == 0):
-        out.append((r, world // r, None))
-        if 1 < r < world:
-            out.append((r, world // r, world))
-    return out
+from nccl_check import grids, judge  # noqa: E402 (tests/ is this script's directory)
 
 
 def _attention_check(a, rank, world, dev, built):
@@ -73,21 +60,10 @@ def _attention_check(a, rank, world, dev, built):
             o.backward(shard(do))
             own_o = mcp.unshard_sequence(o.detach(), algo=algo, cu_seqlens=cu)
             same_o = (None,) + block_bwd(do, q, k, v, own_o, lse1, mask=mask, cu_seqlens_q=cu)
-            row = []
-            for x, r, s1, s2 in zip((o, ql.grad, kl.grad, vl.grad), ref, single, same_o):
-                row.append((_rel_l2(x, shard(r)), _rel_l2(shard(s1), shard(r)),
-                            0.0 if s2 is None else _rel_l2(x, shard(s2))))
-            ok = all(e <= 2 * e1 and e2 <= same_bar for e, e1, e2 in row)
-            every = [None] * world
-            dist.all_gather_object(every, (ok, row))
-            failures += not ok
-            if rank == 0:
-                worst = [tuple(max(r[1][i][j] for r in every) for j in range(3)) for i in range(4)]
-                where = "" if g is None else f" grid {g[0]}x{g[1]}{' row-major' if g[2] else ''}"
-                errs = "  ".join(f"{n} {e:.2e} (1GPU {e1:.2e}, vs own O {e2:.1e})"
-                                 for n, (e, e1, e2) in zip(NAMES, worst))
-                print(f"packed {algo}{where} P={world} T={int(cu[-1])} docs={len(lens)} causal={causal!s:5s} "
-                      f"h={h}/{hk}: {errs}  {'ok' if all(r[0] for r in every) else 'FAIL'}", flush=True)
+            where = "" if g is None else f" grid {g[0]}x{g[1]}{' row-major' if g[2] else ''}"
+            failures += not judge((o, ql.grad, kl.grad, vl.grad), ref, single, same_o, shard, same_bar,
+                                  f"packed {algo}{where} P={world} T={int(cu[-1])} docs={len(lens)} "
+                                  f"causal={causal!s:5s} h={h}/{hk}")
             del ql, kl, vl, o, same_o
         del ref, single, o1, lse1
     return failures
