@@ -27,8 +27,6 @@ def _probe(tmp_path, *flags, nproc=2):
 
 
 @pytest.mark.parametrize("zero,flags", [("zero1", ["--use-distributed-optimizer"]),
-                                        ("fsdp-optim_grads", ["--use-megatron-fsdp", "--data-parallel-sharding-strategy",
-                                                              "optim_grads"]),
                                         ("fsdp-optim_grads_params", ["--use-megatron-fsdp"])])
 def test_planner_bytes_match_the_trainers_tensors(tmp_path, zero, flags):
     got = _probe(tmp_path, *flags)
