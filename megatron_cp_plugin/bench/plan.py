@@ -29,7 +29,6 @@ output layer) with its fp32 gradients for the whole step, ZeRO-2 one layer's and
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import sys
