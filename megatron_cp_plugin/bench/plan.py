@@ -24,8 +24,9 @@ the projection's input), the FC1 and activation outputs, RoPE's cos and sin, fp3
 The norms count as torch's fused RMSNorm on GPUs keeps them (input + fp32 1/rms; CPU torch keeps fp32 copies
 instead). Full recompute keeps e x h per layer and rebuilds one layer at a time. At the loss: the fp32
 softmax (4 x vocab bytes per token, kept) and the bf16 logits or their gradient; while a layer runs, the CP
-algorithm's K/V blocks in flight and the gradients of its largest activations. Megatron-FSDP also holds gathered units: ZeRO-3 the current and the prefetched layer (weights) and the root unit (embedding,
-output layer) with its fp32 gradients for the whole step, ZeRO-2 one layer's and the root's gradients.
+algorithm's K/V blocks in flight and the gradients of its largest activations. Megatron-FSDP also holds
+gathered units: ZeRO-3 the current and the prefetched layer (weights) and the root unit (embedding, output
+layer) with its fp32 gradients for the whole step, ZeRO-2 one layer's and the root's gradients.
 """
 from __future__ import annotations
 
