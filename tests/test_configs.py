@@ -139,3 +139,28 @@ def test_result_json_of_a_failing_run_says_failed(tmp_path):
     assert r.returncode != 0
     assert res["status"] == "failed" and res["exit_code"] == 1 and "--cp-grid" in res["error"]
     assert res["losses"] == [] and res["step_time_median_s"] is None
+
+
+def test_shipped_configs_are_reachable_by_name_from_anywhere(tmp_path, monkeypatch):
+    from megatron_cp_plugin.pretrain import parse_args
+    from megatron_cp_plugin.training.config import CONFIG_DIR, resolve_config
+
+    monkeypatch.chdir(tmp_path)                                   # not the repository root
+    a = parse_args(["--config", "gpt3-13b", "algo/ring.toml"])
+    assert (a.num_layers, a.hidden_size, a.context_parallel_algo) == (40, 5120, "ring")
+    assert resolve_config("configs/tiny.toml") == str(CONFIG_DIR / "tiny.toml")
+    (tmp_path / "tiny.toml").write_text("num-layers = 3\n")      # a file of the user's wins over a shipped name
+    assert parse_args(["--config", "tiny.toml"]).num_layers == 3
+
+
+def test_configs_ship_in_the_wheel(tmp_path):
+    import subprocess
+    import sys
+    import zipfile
+
+    repo = __import__("pathlib").Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w",
+                    str(tmp_path), str(repo)], check=True, capture_output=True, timeout=600)
+    names = zipfile.ZipFile(next(tmp_path.glob("*.whl"))).namelist()
+    assert "megatron_cp_plugin/configs/gpt3-175b.toml" in names and "megatron_cp_plugin/configs/algo/ring.toml" in names
+    assert any(n.startswith("megatron_cp_plugin/megatron/patches/") and n.endswith(".patch") for n in names)

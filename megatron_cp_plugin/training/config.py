@@ -3,6 +3,7 @@ TransformerConfig they describe, and the start-up checks every rank makes before
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import torch
 
@@ -95,6 +96,25 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
     return parse_with_configs(add_run_args(build_parser(description)), argv)
 
 
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+"""The shipped configs (GPT-3 sizes, algo/, tiny, recompute-full): `--config gpt3-13b` finds them anywhere."""
+
+
+def resolve_config(name: str) -> str:
+    """A config file path: `name` itself when it exists, else the shipped config of that name (`gpt3-13b`,
+    `gpt3-13b.toml`, `algo/ring`, `configs/algo/ring.toml`); otherwise `name` (the open error names it)."""
+    if Path(name).is_file():
+        return name
+    stem = name[len("configs/"):] if name.startswith("configs/") else name
+    shipped = CONFIG_DIR / (stem if stem.endswith(".toml") else stem + ".toml")
+    return str(shipped) if shipped.is_file() else name
+
+
+def shipped_configs() -> list[str]:
+    """Names of the shipped configs, for error messages and --help."""
+    return sorted(str(p.relative_to(CONFIG_DIR).with_suffix("")) for p in CONFIG_DIR.rglob("*.toml"))
+
+
 def load_config_files(parser: argparse.ArgumentParser, files) -> dict:
     """Merge TOML config files (later ones win) into {dest: value}, checked against the parser's flags.
 
@@ -111,11 +131,12 @@ def load_config_files(parser: argparse.ArgumentParser, files) -> dict:
     flags = {opt[2:]: act for act in parser._actions for opt in act.option_strings if opt.startswith("--")}
     merged = {}
     for path in files:
+        path = resolve_config(path)
         try:
             with open(path, "rb") as f:
                 table = tomllib.load(f)
         except OSError as e:
-            parser.error(f"--config {path}: {e.strerror}")
+            parser.error(f"--config {path}: {e.strerror} (shipped configs: {', '.join(shipped_configs())})")
         except tomllib.TOMLDecodeError as e:
             parser.error(f"--config {path}: not valid TOML: {e}")
         for key, value in table.items():
