@@ -22,7 +22,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from ..pretrain import _validate, build_parser, launch, parse_with_configs, transformer_config
+from ..training.config import build_parser, parse_with_configs, transformer_config, validate_args
+from ..training.launch import launch
 from .checkpoint import MODEL_ARGS, apply_model_args, checkpoint_path, model_args_of, set_unless_given
 
 
@@ -97,7 +98,7 @@ def _generate(args) -> None:
         raise ValueError("--decode-mode graph needs a GPU (CUDA graphs); use --decode-mode eager")
     args.seq_length = len(ids) + args.max_new_tokens
     args.seq_length += -args.seq_length % (2 * world)       # only sizes the RoPE table; prompts of any length
-    cp_cfg = _validate(args, world)
+    cp_cfg = validate_args(args, world)
     ps.initialize_model_parallel(tensor_model_parallel_size=args.tensor_model_parallel_size,
                                  context_parallel_size=args.context_parallel_size)
     cp_group = ps.get_context_parallel_group()

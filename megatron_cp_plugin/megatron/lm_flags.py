@@ -100,7 +100,7 @@ def main(argv=None) -> int:
     pre.add_argument("--world-size", type=int, required=True)
     pre.add_argument("--layout", choices=("auto", "zero1", "fsdp"), default="auto")
     ns, rest = pre.parse_known_args(argv)
-    from ..pretrain import build_parser, parse_args  # noqa: PLC0415 (the plugin trainer's flags and --config)
+    from ..training.config import build_parser, parse_args  # noqa: PLC0415 (the trainer's flags, --config)
 
     try:
         args = parse_args(rest)
