@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
 import warnings
 
 FALLBACK_MESSAGES = (
@@ -39,6 +40,10 @@ _FILTER = _DropFallbacks()
 
 
 def verbose() -> bool:
+    """MEGATRON_CP_VERBOSE set, or `--verbose` on the command line: read at import, before any parser runs,
+    because megatron-core warns while it is imported (the commands' parsers accept the flag too)."""
+    if "--verbose" in sys.argv[1:]:
+        os.environ[_ENV] = "1"                                      # and for the processes we start
     return os.environ.get(_ENV, "") not in ("", "0")
 
 

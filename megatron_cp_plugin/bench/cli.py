@@ -37,7 +37,7 @@ def _usage() -> str:
 
 
 def main(argv=None):
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--verbose"]   # quiet.py read it
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0

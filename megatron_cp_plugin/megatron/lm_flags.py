@@ -20,7 +20,7 @@ import sys
 
 from .megatron_lm import NO_TE_FLAGS, have_te
 
-DROPPED = {"config", "result_json", "log_json", "nproc", "compare_cp1", "help", "tokenizer_type", "vocab_size",
+DROPPED = {"config", "verbose", "result_json", "log_json", "nproc", "compare_cp1", "help", "tokenizer_type", "vocab_size",
            "dist_timeout", "data_path", "mock_data", "num_query_groups", "max_position_embeddings",
            "context_parallel_size", "global_batch_size", "ffn_hidden_size", "seq_length"}
 """Plugin-trainer flags that are not passed by name: its own (config, result_json, log_json, nproc,

@@ -113,6 +113,7 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser(prog="megatron-cp-megatron-lm", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--verbose", action="store_true", help="also show megatron-core's fallback warnings")
     sub = p.add_subparsers(dest="cmd", required=True)
     pp = sub.add_parser("patch", help="apply the fitting patch to a Megatron-LM checkout (idempotent)")
     pp.add_argument("megatron_lm", metavar="MEGATRON_LM_DIR")

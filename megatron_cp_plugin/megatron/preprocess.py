@@ -49,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="plain text, one document per line; .jsonl/.json: one JSON object per line")
     p.add_argument("--output-prefix", required=True, metavar="PREFIX",
                    help="writes PREFIX.bin and PREFIX.idx (parent directories are created)")
+    p.add_argument("--verbose", action="store_true", help="also show megatron-core's fallback warnings")
     p.add_argument("--json-key", default="text", metavar="KEY",
                    help="key of the document text in JSON lines input (default: text)")
     eod = p.add_mutually_exclusive_group()

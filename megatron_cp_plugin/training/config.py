@@ -20,6 +20,7 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     """Megatron's model and run flags, and the plugin's (shared with megatron-cp-generate)."""
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
+    a("--verbose", action="store_true", help="also show megatron-core's TE / Apex fallback warnings (quiet.py)")
     a("--num-layers", type=int, default=2)
     a("--hidden-size", type=int, default=64)
     a("--num-attention-heads", type=int, default=8)
