@@ -185,12 +185,11 @@ def plan_deft(parents, node_slots, query_node, query_seen=None, *, num_heads: in
         p = parents[u]
         if p >= 0:
             anc[u] = anc[p] + [p]
-    iv_q, iv_lo, iv_hi = [], [], []
+    intervals = []                                                 # (query, first token, end token)
     for i, u in enumerate(qn.tolist()):
-        for a in anc[u]:
-            iv_q.append(i), iv_lo.append(int(start[a])), iv_hi.append(int(start[a] + lens[a]))
-        iv_q.append(i), iv_lo.append(int(start[u])), iv_hi.append(int(start[u] + seen[i]))
-    iv_q, iv_lo, iv_hi = (torch.tensor(x, dtype=torch.long) for x in (iv_q, iv_lo, iv_hi))
+        intervals += [(i, int(start[a]), int(start[a] + lens[a])) for a in anc[u]]
+        intervals.append((i, int(start[u]), int(start[u] + seen[i])))
+    iv_q, iv_lo, iv_hi = torch.tensor(intervals, dtype=torch.long).reshape(-1, 3).unbind(1)
     keep = iv_hi > iv_lo
     iv_q, iv_lo, iv_hi = iv_q[keep], iv_lo[keep], iv_hi[keep]
 
