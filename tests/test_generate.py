@@ -18,12 +18,12 @@ def _sharpen(model):
     return model
 
 
-def _generate(rank, world, algo, temperature=0.0, prompt_len=L, decoder="tree"):
+def _tiny_model(world, algo):
+    """(model, cp_group, cp config, prompt [2, L]) of the tiny GPT every generation test decodes with."""
     import warnings
     warnings.filterwarnings("ignore")
     from megatron.core import parallel_state as ps
 
-    from megatron_cp_plugin.inference import DecodeState, generate, install_decode_state
     from megatron_cp_plugin.megatron import CPConfig
     from megatron_cp_plugin.megatron.model import build_gpt, tiny_config
     if not ps.model_parallel_is_initialized():
@@ -33,9 +33,16 @@ def _generate(rank, world, algo, temperature=0.0, prompt_len=L, decoder="tree"):
     cp = CPConfig(algo=algo, cp_size=world)
     model = _sharpen(build_gpt(tiny_config(cp_size=world), cp, vocab_size=VOCAB, seq_length=L + NEW,
                                cp_group=cp_group))
+    prompt = torch.randint(0, VOCAB, (2, L), generator=torch.Generator().manual_seed(3))
+    return model, cp_group, cp, prompt
+
+
+def _generate(rank, world, algo, temperature=0.0, prompt_len=L, decoder="tree"):
+    from megatron_cp_plugin.inference import DecodeState, generate, install_decode_state
+    model, cp_group, cp, prompt = _tiny_model(world, algo)
+    prompt = prompt[:, :prompt_len]
     state = DecodeState(cp_group, decoder=decoder)
     install_decode_state(model, state)
-    prompt = torch.randint(0, VOCAB, (2, L), generator=torch.Generator().manual_seed(3))[:, :prompt_len]
     out = generate(model, prompt, max_new_tokens=NEW, state=state, algo=cp.algo, temperature=temperature,
                    top_p=0.9, seed=5)
     shard_len = state.cache[1].n if state.cache else 0
@@ -81,21 +88,9 @@ def test_ring_decode_baseline_gives_the_same_tokens(pools, reference, world):
 
 # ------------------------------------------------------------------------------ the static (graphable) decode step
 def _static(rank, world, algo, temperature=0.0, prompt_len=L, decoder="tree", variant=None, capacity_slack=0):
-    import warnings
-    warnings.filterwarnings("ignore")
-    from megatron.core import parallel_state as ps
-
     from megatron_cp_plugin.inference.static import StaticDecoder
-    from megatron_cp_plugin.megatron import CPConfig
-    from megatron_cp_plugin.megatron.model import build_gpt, tiny_config
-    if not ps.model_parallel_is_initialized():
-        ps.initialize_model_parallel(context_parallel_size=world)
-    cp_group = ps.get_context_parallel_group()
-    torch.manual_seed(0)
-    cp = CPConfig(algo=algo, cp_size=world)
-    model = _sharpen(build_gpt(tiny_config(cp_size=world), cp, vocab_size=VOCAB, seq_length=L + NEW,
-                               cp_group=cp_group))
-    prompt = torch.randint(0, VOCAB, (2, L), generator=torch.Generator().manual_seed(3))[:, :prompt_len]
+    model, cp_group, cp, prompt = _tiny_model(world, algo)
+    prompt = prompt[:, :prompt_len]
     dec = StaticDecoder(model, cp_group, batch=2, capacity=-(-(prompt_len + NEW) // world) + capacity_slack,
                         decoder=decoder, variant=variant, graphed=False, temperature=temperature, top_p=0.9, seed=5)
     out = dec.generate(prompt, max_new_tokens=NEW, algo=algo)
