@@ -63,6 +63,14 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     a("--save-interval", type=int, default=None)
     a("--data-path", nargs="+", default=None, help="prefixes of .bin/.idx files (megatron-cp-preprocess)")
     a("--mock-data", action="store_true", help="random tokens (the default without --data-path)")
+    # Megatron-LM's names for training on packed documents; here both are one switch (docs/packed.md).
+    a("--reset-attention-mask", action="store_true", help="EOD tokens end documents: attention stays inside each "
+      "document (packed THD batches); needs --reset-position-ids")
+    a("--reset-position-ids", action="store_true", help="positions restart in every document; needs "
+      "--reset-attention-mask")
+    a("--document-unit", type=int, default=None, help="with --reset-attention-mask: pad every document to a "
+      "multiple of N tokens (default 2 x CP, 1 at CP 1; a multiple of that); the same N at every CP size "
+      "gives the same batches, e.g. for comparing with CP = 1")
     a("--tokenizer-type", default="ByteLevel", choices=("ByteLevel",))
     a("--vocab-size", type=int, default=None, help="default: the tokenizer's (257 for ByteLevel)")
     a("--log-interval", type=int, default=1)
@@ -255,4 +263,33 @@ def validate_args(args, world: int):
         # are not summed over the group. Replicating everything is what Megatron's DDP does.
         raise ValueError("--data-parallel-sharding-strategy no_shard does not train in megatron-core 0.16.1's "
                          "Megatron-FSDP; for no sharding drop --use-megatron-fsdp (Megatron's DDP)")
-    return config_from_args(args)                  # --context-parallel-algo, --cp-grid, sequence divisibility
+    cp_cfg = config_from_args(args)                # --context-parallel-algo, --cp-grid, sequence divisibility
+    document_unit(args, cp_cfg.algo)
+    return cp_cfg
+
+
+def document_unit(args, algo: str) -> int | None:
+    """The multiple every packed document is padded to (None without --reset-attention-mask); ValueError naming
+    the flag when the packing flags do not fit together."""
+    from ..megatron.batch import packed_unit
+
+    mask, pos = getattr(args, "reset_attention_mask", False), getattr(args, "reset_position_ids", False)
+    unit = getattr(args, "document_unit", None)
+    if mask != pos:
+        given, missing = ("--reset-attention-mask", "--reset-position-ids") if mask else \
+            ("--reset-position-ids", "--reset-attention-mask")
+        raise ValueError(f"{given} needs {missing} too (documents are packed with both, or neither)")
+    if not mask:
+        if unit is not None:
+            raise ValueError("--document-unit needs --reset-attention-mask --reset-position-ids")
+        return None
+    need = packed_unit(algo, args.context_parallel_size)
+    if unit is None:
+        unit = need
+    elif unit < 1 or unit % need:
+        raise ValueError(f"--document-unit {unit} must be a positive multiple of {need} (2 x CP for packed "
+                         f"documents at CP {args.context_parallel_size})")
+    if args.seq_length % unit:
+        raise ValueError(f"--seq-length {args.seq_length} must be a multiple of the document unit {unit} with "
+                         "--reset-attention-mask (packed rows keep their length)")
+    return unit

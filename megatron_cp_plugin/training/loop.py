@@ -49,8 +49,9 @@ def train(args) -> list[float]:
               f"{args.context_parallel_size}, DP {args.data_parallel_size}), algo {cp_cfg.algo}, "
               f"{trainer.n_params / 1e6:.2f}M parameters, {_layout_words(args)}, "
               f"{'bf16 GPU' if args.bf16 else device.type + ' fp32'}; TFLOP/s counts "
-              f"{report.flops_per_iter.__doc__.strip()}", flush=True)
-    losses, saved = [], False
+              f"{report.flops_per_iter.__doc__.split(chr(10))[0].strip()}"
+              f"{' (attention: sum of squared document lengths)' if trainer.document_unit else ''}", flush=True)
+    losses, saved, packed_flops = [], False, []
     result = report.start_record(args, world, cp_cfg, device, trainer.n_params, trainer.tokenizer.vocab_size, flops)
     t0 = time.perf_counter()
     while trainer.iteration < args.train_iters:
@@ -69,6 +70,14 @@ def train(args) -> list[float]:
                 torch.cuda.synchronize()
             dt = (time.perf_counter() - t0) / args.log_interval
             t0 = time.perf_counter()
+            if trainer.document_unit is not None:       # packed: the documents' attention, summed over DP
+                sq = torch.tensor([trainer.attention_tokens_sq], dtype=torch.float64)
+                dist.all_reduce(sq, group=ps.get_data_parallel_group())
+                trainer.attention_tokens_sq = 0.0
+                flops = report.flops_per_iter(args, trainer.n_params, float(sq) / args.log_interval)
+                if result is not None:
+                    packed_flops.append(flops)
+                    result["flops_per_iter"] = sum(packed_flops) / len(packed_flops)
             if rank == 0:
                 report.log_row({"iteration": it, "loss": loss,
                                 "lr": trainer.scheduler.get_lr(trainer.optimizer.param_groups[0]),

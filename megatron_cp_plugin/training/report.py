@@ -17,10 +17,14 @@ from .config import recompute_kwargs, sharding_strategy
 _RESULT: dict | None = None   # this process's run record, filled while training, written by rank 0
 
 
-def flops_per_iter(args, n_params: int) -> float:
-    """6 x params x tokens (matmuls, fwd + bwd) + 6 x layers x seq x hidden x tokens (causal attention)."""
+def flops_per_iter(args, n_params: int, attention_tokens_sq: float | None = None) -> float:
+    """6 x params x tokens (matmuls, fwd + bwd) + 6 x layers x seq x hidden x tokens (causal attention).
+
+    attention_tokens_sq: packed documents (--reset-attention-mask): the iteration's sum over documents of their
+    squared (padded) lengths, replacing seq x tokens (= the rows' S^2) in the attention term."""
     tokens = args.global_batch_size * args.seq_length
-    return 6.0 * n_params * tokens + 6.0 * args.num_layers * args.seq_length * args.hidden_size * tokens
+    sq = tokens * args.seq_length if attention_tokens_sq is None else attention_tokens_sq
+    return 6.0 * n_params * tokens + 6.0 * args.num_layers * args.hidden_size * sq
 
 
 def memory_gb(device) -> float:

@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from .config import sharding_strategy, transformer_config
+from .config import document_unit, sharding_strategy, transformer_config
 
 
 def build_datasets(args, tokenizer):
@@ -91,6 +91,9 @@ class Trainer:
             wd_incr_style="constant")
         self.train_data, self.valid_data = build_datasets(args, self.tokenizer)
         self.iteration = 0
+        # --reset-attention-mask --reset-position-ids: micro-batches become packed documents (docs/packed.md)
+        self.document_unit = document_unit(args, cp_cfg.algo)
+        self.attention_tokens_sq = 0.0                 # sum of squared packed document lengths, this rank, trained
 
     def _wrap(self, config, model):
         """Megatron's DDP, or Megatron-FSDP with the requested sharding, over data-parallel x CP."""
@@ -112,12 +115,22 @@ class Trainer:
         # default unit); the embedding and output layer stay in the root unit.
         return FullyShardedDataParallel(config, ddp_config, model, device=self.device)
 
-    def _loss(self, batch):
-        from ..megatron.batch import cp_token_mean_loss, shard_batch
+    def _loss(self, batch, training: bool = False):
+        from ..megatron.batch import cp_token_mean_loss, pack_documents, shard_batch
 
-        b = shard_batch({k: v.to(self.device) for k, v in batch.items()}, algo=self.cp_cfg.algo,
-                        cp_group=self.cp_group)
-        per_token = self.model(b["tokens"], b["position_ids"], None, labels=b["labels"])
+        if self.document_unit is not None:
+            # EOD tokens end documents: [b, S] -> [1, b * S] with cu_seqlens. GPTDataset's own reset flags stay
+            # off; this resets the positions and the attention (per-document causal masks) instead.
+            batch = pack_documents(batch, eod=self.tokenizer.eod, unit=self.document_unit)
+            if training:
+                lengths = batch["cu_seqlens"][1:] - batch["cu_seqlens"][:-1]
+                self.attention_tokens_sq += float((lengths.double() ** 2).sum())
+        elif training:
+            self.attention_tokens_sq += float(batch["tokens"].shape[0] * batch["tokens"].shape[1] ** 2)
+        b = shard_batch({k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()},
+                        algo=self.cp_cfg.algo, cp_group=self.cp_group)
+        per_token = self.model(b["tokens"], b["position_ids"], None, labels=b["labels"],
+                               packed_seq_params=b.get("packed_seq_params"))
         return cp_token_mean_loss(per_token.float(), b["loss_mask"], self.dp_cp_group)
 
     def train_step(self) -> float:
@@ -127,7 +140,7 @@ class Trainer:
         self.optimizer.zero_grad()
         total = 0.0
         for batch in batches:
-            loss, reported = self._loss(batch)
+            loss, reported = self._loss(batch, training=True)
             (loss / len(batches)).backward()
             total += reported.item() / len(batches)
         self.model.finish_grad_sync()                  # sums over data-parallel x CP (per-token loss)
