@@ -67,3 +67,19 @@ def test_resumed_run_equals_uninterrupted_run_bit_for_bit(tmp_path, layout):
                         "--load", str(start)], capture_output=True, text=True, timeout=300)
     assert r.returncode != 0 and "iter " not in r.stdout
     assert "--use-distributed-optimizer" in r.stderr and "--use-megatron-fsdp" in r.stderr, r.stderr[-3000:]
+
+
+def test_save_onto_a_checkpoint_is_refused_unless_resumed_or_overwrite(tmp_path):
+    from megatron_cp_plugin.training.checkpoint import check_save_dir
+    from megatron_cp_plugin.training.config import parse_args
+
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "iter_0000003").mkdir(parents=True)
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("3")
+    with pytest.raises(ValueError, match=r"--save .* already holds a checkpoint \(iteration 3\) and no --load"):
+        check_save_dir(parse_args(["--save", str(ckpt)]))
+    with pytest.raises(ValueError, match="--load .* is another directory"):
+        check_save_dir(parse_args(["--save", str(ckpt), "--load", str(tmp_path / "other")]))
+    check_save_dir(parse_args(["--save", str(ckpt), "--load", str(ckpt)]))          # resume: allowed
+    check_save_dir(parse_args(["--save", str(ckpt), "--overwrite"]))                # asked for
+    check_save_dir(parse_args(["--save", str(tmp_path / "new")]))                   # nothing there

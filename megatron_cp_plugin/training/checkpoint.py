@@ -155,6 +155,24 @@ def checkpoint_dir(load: str) -> str:
     return path
 
 
+def check_save_dir(args) -> None:
+    """ValueError (files only, before any collective) when --save names a directory that already holds a
+    checkpoint that this run would overwrite: neither resumed (--load of the same directory) nor --overwrite."""
+    save = getattr(args, "save", None)
+    if not save or getattr(args, "overwrite", False):
+        return
+    tracker = os.path.join(save, TRACKER)
+    if not os.path.exists(tracker):
+        return
+    if args.load and os.path.realpath(args.load) == os.path.realpath(save):
+        return                                          # resuming from it: its iterations continue there
+    with open(tracker) as f:
+        it = f.read().strip()
+    hint = f"--load {args.load} is another directory" if args.load else "no --load was given"
+    raise ValueError(f"--save {save} already holds a checkpoint (iteration {it}) and {hint}: add --load {save} to "
+                     f"resume from it, or --overwrite to replace it")
+
+
 def check_resumable(args) -> str:
     """The checkpoint directory --load names, after checking (files only, before any collective) that this
     run's flags can load it; ValueError naming the flags otherwise."""

@@ -61,6 +61,8 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     a("--save", default=None)
     a("--load", default=None)
     a("--save-interval", type=int, default=None)
+    a("--overwrite", action="store_true", help="let --save replace the checkpoint already in its directory "
+      "(without it, and without --load of that directory, such a run is refused)")
     a("--data-path", nargs="+", default=None, help="prefixes of .bin/.idx files (megatron-cp-preprocess)")
     a("--mock-data", action="store_true", help="random tokens (the default without --data-path)")
     # Megatron-LM's names for training on packed documents; here both are one switch (docs/packed.md).

@@ -80,6 +80,7 @@ def compare_cp1(argv: list[str], args) -> None:
         cp = args.context_parallel_size or world // args.tensor_model_parallel_size
         base += ["--document-unit", str(2 * cp if cp > 1 else 1)]
     runs = {"CP=1": base + ["--nproc", "1", "--context-parallel-size", "1", "--log-json", f"{tmp}/cp1.jsonl"]
+            + (["--save", f"{tmp}/cp1-ckpt"] if args.save else [])     # not into this run's --save
             + (["--result-json", f"{tmp}/cp1.json"] if args.result_json else []),   # keep the user's for this run
             "this run": base + ["--log-json", f"{tmp}/cp.jsonl"]}
     for name, flags in runs.items():

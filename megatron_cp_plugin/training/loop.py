@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from . import report
-from .checkpoint import check_resumable
+from .checkpoint import check_resumable, check_save_dir
 from .config import recompute_kwargs, sharding_strategy, validate_args
 from .trainer import Trainer
 
@@ -26,6 +26,7 @@ def train(args) -> list[float]:
 
     world, rank = dist.get_world_size(), dist.get_rank()
     cp_cfg = validate_args(args, world)
+    check_save_dir(args)                               # never overwrite a checkpoint unasked
     if args.load:
         check_resumable(args)                          # a checkpoint of another layout fails here, not mid-load
     gpu = torch.cuda.is_available()
