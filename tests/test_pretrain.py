@@ -207,3 +207,20 @@ def test_packing_flags_checked_at_start_up(flags, needle):
     args = parse_args([*TINY, *flags, "--context-parallel-algo", "ring"])
     with pytest.raises(ValueError, match=needle):
         validate_args(args, world=2)                # what every rank runs before its first collective
+
+
+def test_bad_flags_fail_in_the_launcher_one_line_each(tmp_path):
+    (tmp_path / "half.bin").write_bytes(b"")                       # a prefix with its .idx missing
+    r = _pretrain("--nproc", "0", "--log-interval", "0", "--micro-batch-size", "0", "--train-iters", "0",
+                  "--mock-data", "--data-path", str(tmp_path / "half"), str(tmp_path / "none"), nproc=2,
+                  timeout=120, check=False)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and all(x.startswith("megatron-cp-pretrain: error: --") for x in lines), r.stderr
+    assert "[rank" not in r.stderr and "Traceback" not in r.stderr and "iter " not in r.stdout
+    expected = ["--nproc 0", "--log-interval 0", "--micro-batch-size 0", "--train-iters 0", "--mock-data and "
+                "--data-path", f"{tmp_path / 'half'}.idx not found", f"{tmp_path / 'none'}.bin and"]
+    for needle in expected:
+        assert sum(needle in x for x in lines) == 1, (needle, lines)
+    assert len(lines) == len(expected)
+    r = _pretrain("--nproc", "-2", check=False, timeout=120)
+    assert r.returncode == 2 and "--nproc -2: must be at least 1" in r.stderr, r.stderr

@@ -3,6 +3,7 @@ TransformerConfig they describe, and the start-up checks every rank makes before
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 import torch
@@ -197,6 +198,28 @@ def parse_with_configs(parser: argparse.ArgumentParser, argv=None) -> argparse.N
     if known.config:
         parser.set_defaults(**load_config_files(parser, known.config))
     return parser.parse_args(argv)
+
+
+def launch_errors(args) -> list[str]:
+    """Flag errors found in the launching process, before any rank starts: one line each, naming the flag and
+    what was expected (the checks that need the world size run on every rank, in validate_args)."""
+    errors = []
+    if args.nproc is not None and args.nproc < 1:
+        errors.append(f"--nproc {args.nproc}: must be at least 1 (local processes to spawn)")
+    # (--eval-interval / --save-interval / --exit-interval 0 keep meaning "never", as their `if` reads them)
+    for flag in ("log_interval", "micro_batch_size", "train_iters", "seq_length", "global_batch_size"):
+        value = getattr(args, flag, None)
+        if value is not None and value < 1:
+            errors.append(f"--{flag.replace('_', '-')} {value}: must be at least 1")
+    if args.data_path and args.mock_data:
+        errors.append("--mock-data and --data-path exclude each other: give one (random tokens, or the "
+                      ".bin/.idx files)")
+    for prefix in args.data_path or ():
+        missing = [prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
+        if missing:
+            errors.append(f"--data-path {prefix}: {' and '.join(missing)} not found (a prefix of "
+                          "megatron-cp-preprocess's output)")
+    return errors
 
 
 def transformer_config(args, gpu: bool):

@@ -95,11 +95,16 @@ def compare_cp1(argv: list[str], args) -> None:
 
 def main(argv=None) -> None:
     """megatron-cp-pretrain."""
-    from .config import parse_args
+    from .config import launch_errors, parse_args
     from .loop import train
 
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv, description=_DOC)
+    errors = launch_errors(args)                       # before any rank starts: one line each, no tracebacks
+    if errors:
+        for line in errors:
+            print(f"megatron-cp-pretrain: error: {line}", file=sys.stderr)
+        sys.exit(2)
     if args.compare_cp1 and "RANK" not in os.environ:
         compare_cp1(argv, args)
         return
