@@ -83,3 +83,59 @@ def test_save_onto_a_checkpoint_is_refused_unless_resumed_or_overwrite(tmp_path)
     check_save_dir(parse_args(["--save", str(ckpt), "--load", str(ckpt)]))          # resume: allowed
     check_save_dir(parse_args(["--save", str(ckpt), "--overwrite"]))                # asked for
     check_save_dir(parse_args(["--save", str(tmp_path / "new")]))                   # nothing there
+
+
+SMALL = [sys.executable, "-W", "ignore", "-m", "megatron_cp_plugin.pretrain", "--nproc", "2", "--num-layers", "1",
+         "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "64", "--context-parallel-algo", "ring"]
+
+
+@pytest.fixture(scope="module")
+def small_checkpoint(tmp_path_factory):
+    ckpt = tmp_path_factory.mktemp("small") / "ckpt"
+    cmd = [*SMALL, "--train-iters", "1", "--save", str(ckpt)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return ckpt
+
+
+def _damage(ckpt, name, how):
+    file = ckpt / "iter_0000001" / name if name != "tracker" else ckpt / "latest_checkpointed_iteration.txt"
+    data = file.read_bytes()
+    file.write_bytes(data[:len(data) // 2] if how == "truncate" else b"\x00garbage" * 8)
+    return file
+
+
+@pytest.mark.parametrize("name,how,needle", [
+    ("__0_1.distcp", "truncate", "truncated: "),
+    (".metadata", "truncate", "unreadable"),
+    (".metadata", "garbage", "unreadable"),
+    ("common.pt", "garbage", "unreadable"),
+    ("metadata.json", "garbage", "not valid JSON"),
+    ("megatron_cp_plugin.json", "truncate", "not valid JSON"),
+    ("tracker", "garbage", "must hold an iteration number"),
+])
+def test_damaged_checkpoint_names_the_file(small_checkpoint, tmp_path, name, how, needle):
+    from megatron_cp_plugin.training.checkpoint import check_resumable
+    from megatron_cp_plugin.training.config import parse_args
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(small_checkpoint, ckpt)
+    args = parse_args(["--load", str(ckpt)])
+    check_resumable(args)                                       # the intact copy passes
+    file = _damage(ckpt, name, how)
+    with pytest.raises(ValueError) as e:
+        check_resumable(args)
+    msg = str(e.value)
+    assert str(file) in msg and needle in msg and "\n" not in msg, msg
+
+
+def test_garbage_data_file_of_the_right_size_fails_in_one_line(small_checkpoint, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(small_checkpoint, ckpt)
+    data = ckpt / "iter_0000001" / "__0_0.distcp"
+    data.write_bytes(b"\x07" * data.stat().st_size)             # passes the size check, fails to unpickle
+    r = subprocess.run([*SMALL, "--train-iters", "2", "--load", str(ckpt)], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode != 0
+    assert f"ValueError: checkpoint {ckpt / 'iter_0000001'}: a .distcp data file is damaged" in r.stderr, \
+        r.stderr[-3000:]

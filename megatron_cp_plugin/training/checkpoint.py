@@ -147,8 +147,11 @@ def checkpoint_dir(load: str) -> str:
     tracker = os.path.join(load, TRACKER)
     if not os.path.exists(tracker):
         raise ValueError(f"--load {load}: no {TRACKER} there")
-    with open(tracker) as f:
-        it = int(f.read().strip())
+    with open(tracker, "rb") as f:
+        text = f.read(64).decode("utf-8", "replace").strip()
+    if not text.isdigit():
+        raise ValueError(f"--load {load}: {tracker} must hold an iteration number, it holds {text[:20]!r}")
+    it = int(text)
     path = os.path.join(load, f"iter_{it:07d}")
     if not os.path.isdir(path):
         raise ValueError(f"--load {load}: {TRACKER} names iteration {it}, but {path} does not exist")
@@ -180,14 +183,82 @@ def check_resumable(args) -> str:
     now = layout_of(args)
     info_path = os.path.join(path, INFO)
     if os.path.exists(info_path):
-        with open(info_path) as f:
-            saved = json.load(f)
+        saved = _read_json(info_path)
     else:                                              # written before the info file existed: DDP, torch_dist
         saved = {"format": "torch_dist", "distributed_optimizer": now["distributed_optimizer"], "fsdp": None}
     if {k: saved.get(k) for k in now} != now:
         raise ValueError(f"--load {args.load}: the checkpoint was written with {_describe(saved)}; this run uses "
                          f"{_describe(now)} (resume with the same flags)")
+    check_files(path)
     return path
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path, "rb") as f:
+            value = json.loads(f.read().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"checkpoint file {path}: not valid JSON ({e}): truncated or overwritten") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"checkpoint file {path}: not a JSON object")
+    return value
+
+
+def check_files(path: str) -> None:
+    """Files only, before any collective: every file a checkpoint directory's index names is there, readable and
+    long enough; ValueError naming the file and what is wrong (a truncated copy, a garbage file) otherwise."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if os.path.exists(os.path.join(path, "metadata.json")):
+        _read_json(os.path.join(path, "metadata.json"))          # dist_checkpointing's format description
+    index = os.path.join(path, ".metadata")
+    if not os.path.isfile(index):
+        raise ValueError(f"checkpoint {path}: its index file .metadata is missing (an incomplete checkpoint)")
+    try:
+        storage = FileSystemReader(path).read_metadata().storage_data
+    except Exception as e:  # noqa: BLE001 - pickle/EOF/OS errors of a damaged file all mean the same here
+        raise ValueError(f"checkpoint file {index}: unreadable ({type(e).__name__}: {str(e)[:80]}): truncated or "
+                         "not a torch.distributed.checkpoint index") from None
+    need: dict[str, int] = {}
+    for info in storage.values():                 # the bytes each data file must hold
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(need.items()):
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            raise ValueError(f"checkpoint file {file}: missing (the index .metadata names it)")
+        have = os.path.getsize(file)
+        if have < size:
+            raise ValueError(f"checkpoint file {file}: truncated: {have} bytes, the index .metadata needs {size}")
+    common = os.path.join(path, "common.pt")
+    if os.path.exists(common):
+        try:
+            torch.load(common, map_location="cpu", weights_only=False)   # small: the schedule, iteration, args
+        except Exception as e:  # noqa: BLE001
+            raise ValueError(f"checkpoint file {common}: unreadable ({type(e).__name__}: {str(e)[:80]}): "
+                             "truncated or not a torch.save file") from None
+
+
+def _read(load, path: str):
+    """load(), with a damaged data file (right size, wrong bytes: check_files cannot see it) reported in one line
+    naming the checkpoint rather than as a deep traceback."""
+    import pickle
+
+    from torch.distributed.checkpoint.api import CheckpointException
+    try:
+        return load()
+    except CheckpointException as e:              # DCP wraps each rank's read failure
+        failures = list(getattr(e, "failures", {}).values())
+        why = failures[0] if failures else e
+        if isinstance(why, tuple):                  # (exception, stack summary)
+            why = why[0]
+        if not isinstance(why, BaseException):
+            why = e
+        first = str(why).strip().splitlines()[0][:120] if str(why).strip() else ""
+        raise ValueError(f"checkpoint {path}: a .distcp data file is damaged ({type(why).__name__}: {first})") \
+            from None
+    except (EOFError, OSError, pickle.UnpicklingError, UnicodeDecodeError) as e:
+        first = str(e).strip().splitlines()[0][:120] if str(e).strip() else ""
+        raise ValueError(f"checkpoint {path}: a file is damaged ({type(e).__name__}: {first})") from None
 
 
 def load_checkpoint(trainer) -> None:
@@ -201,7 +272,7 @@ def load_checkpoint(trainer) -> None:
 
         from ..megatron.compat import drop_fsdp_padding
         loaded, padded = _fsdp_state(trainer, loading=True)
-        dcp.load(loaded, checkpoint_id=path)           # strict: every requested key must be in the checkpoint
+        _read(lambda: dcp.load(loaded, checkpoint_id=path), path)   # strict: every requested key must be there
         drop_fsdp_padding(loaded["optimizer"], padded)
         # Keys are "module.<GPT name>" with or without Float16Module (its state_dict drops its own prefix, so
         # MegatronFSDP's load_state_dict would not find them): load into the GPT by its own names, strictly,
@@ -212,8 +283,8 @@ def load_checkpoint(trainer) -> None:
     else:
         from ..megatron.compat import init_adam_state_for_loading
         init_adam_state_for_loading(trainer.optimizer)
-        loaded = dist_checkpointing.load(_torch_dist_state(trainer, loading=True), path,
-                                         strict=StrictHandling.RAISE_ALL)
+        state = _torch_dist_state(trainer, loading=True)
+        loaded = _read(lambda: dist_checkpointing.load(state, path, strict=StrictHandling.RAISE_ALL), path)
         model = {k[len(MODEL_PREFIX):]: v for k, v in loaded["model"].items()}
         trainer.gpt.load_state_dict(model, strict=True)
         rng = loaded["rng_state"]
