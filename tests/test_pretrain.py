@@ -14,9 +14,9 @@ TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8"
         "--seq-length", "256", "--micro-batch-size", "2", "--lr", "1e-3", "--min-lr", "1e-4", "--log-interval", "1"]
 
 
-def _pretrain(*flags, nproc=1, timeout=600, check=True):
+def _pretrain(*flags, nproc=1, timeout=600, check=True, cwd=None):
     cmd = [sys.executable, "-W", "ignore", "-m", "megatron_cp_plugin.pretrain", "--nproc", str(nproc), *TINY, *flags]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd)
     if check:
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     return r
@@ -169,7 +169,9 @@ def eod_corpus(tmp_path_factory):
                         "--output-prefix", str(prefix)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     log = tmp / "cp1.jsonl"
-    _pretrain("--data-path", str(prefix), *PACKED, "--context-parallel-algo", "ring", "--log-json", str(log))
+    # without --save the dataset's index cache goes to the working directory: keep it out of the checkout
+    _pretrain("--data-path", str(prefix), *PACKED, "--context-parallel-algo", "ring", "--log-json", str(log),
+              cwd=tmp)
     return prefix, _losses(log)
 
 
@@ -179,7 +181,7 @@ def test_packed_documents_track_cp1(eod_corpus, tmp_path, algo, nproc):
     prefix, cp1 = eod_corpus
     log = tmp_path / "log.jsonl"
     _pretrain("--data-path", str(prefix), *PACKED, "--context-parallel-algo", algo, "--log-json", str(log),
-              nproc=nproc)
+              nproc=nproc, cwd=tmp_path)
     losses = _losses(log)
     assert len(losses) == len(cp1) == 3
     assert max(abs(a - b) for a, b in zip(losses, cp1)) <= 1e-4, list(zip(losses, cp1))
@@ -189,7 +191,7 @@ def test_packed_losses_differ_from_unpacked(eod_corpus, tmp_path):
     prefix, packed = eod_corpus
     log = tmp_path / "log.jsonl"
     _pretrain("--data-path", str(prefix), "--train-iters", "3", "--context-parallel-algo", "ring",
-              "--log-json", str(log))
+              "--log-json", str(log), cwd=tmp_path)
     unpacked = _losses(log)
     # Attention that stops at EODs and positions that restart give other losses (at random initialisation the
     # first step's differ little: attention is nearly uniform there).
