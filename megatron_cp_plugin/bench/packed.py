@@ -142,6 +142,7 @@ def main(argv=None):
                   f"and unpacked ones ({flop[('unpacked', 1)] / 1e12:.1f}); {FLOP_FORMULA}. Median of {a.iters} "
                   f"after {a.warmup} warm-up.")
         print(write_report(rows, a.out, header))
+    dist.barrier()          # rank 0 writes the report first; a peer that tears gloo down meanwhile aborted it once
     dist.destroy_process_group()
 
 
