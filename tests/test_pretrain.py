@@ -90,6 +90,22 @@ def test_trains_on_preprocessed_bin_idx(tmp_path):
     assert len(losses) == 8 and losses[-1] < losses[0]
 
 
+def test_a_rewritten_corpus_does_not_reuse_stale_indexes(tmp_path):
+    """Issue 15 item 8: preprocess to a prefix, train; preprocess a smaller corpus to the same prefix, train
+    again from another directory: the index cache is keyed on the data files, not reused (was an IndexError)."""
+    prefix = tmp_path / "corpus"
+    for n in (300, 40):
+        text = tmp_path / f"corpus{n}.txt"
+        text.write_text("\n".join(f"doc {i}: the quick brown fox jumps over the lazy dog" for i in range(n)))
+        r = subprocess.run([sys.executable, "-m", "megatron_cp_plugin.megatron.preprocess", "--input", str(text),
+                            "--output-prefix", str(prefix)], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        _pretrain("--train-iters", "3", "--data-path", str(prefix), "--context-parallel-algo", "ring", nproc=1,
+                  cwd=str(tmp_path))
+    caches = list((tmp_path / ".index_cache").iterdir())
+    assert len(caches) == 2                                         # one per version of the files, beside them
+
+
 @pytest.mark.parametrize("flags,needle", [
     (["--cp-grid", "3x1"], "--cp-grid"),
     (["--cp-grid", "2x1", "--context-parallel-algo", "ring"], "--cp-grid"),

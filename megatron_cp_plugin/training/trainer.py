@@ -9,11 +9,26 @@ tokens of all ranks, and gradients are summed, not averaged, over data-parallel 
 """
 from __future__ import annotations
 
+import hashlib
 import os
 
 import torch
 
 from .config import document_unit, sharding_strategy, transformer_config
+
+
+def index_cache_dir(args) -> str:
+    """Where GPTDataset keeps its sample indexes: under the run directory (--save) or else beside the first
+    data file, in a folder keyed on every .bin/.idx's path, size and modification time. Megatron keys its cache
+    on the dataset's description only, so re-running megatron-cp-preprocess to the same prefix with another
+    corpus reused stale indexes (IndexError: index 991 is out of bounds)."""
+    key = hashlib.sha1()
+    for prefix in args.data_path:
+        for ext in (".bin", ".idx"):
+            st = os.stat(prefix + ext)
+            key.update(f"{os.path.abspath(prefix + ext)}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+    home = args.save or os.path.dirname(os.path.abspath(args.data_path[0]))
+    return os.path.join(home, ".index_cache", key.hexdigest()[:16])
 
 
 def build_datasets(args, tokenizer):
@@ -26,7 +41,7 @@ def build_datasets(args, tokenizer):
                            blend=None if mock else (args.data_path, None), split="98,2,0", tokenizer=tokenizer,
                            reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
                            create_attention_mask=False,      # causal is implicit; an [S, S] mask per sample is not
-                           path_to_cache=os.path.join(args.save or ".", ".index_cache") if not mock else None)
+                           path_to_cache=None if mock else index_cache_dir(args))
     evals = (args.train_iters // args.eval_interval + 1) * args.eval_iters if args.eval_interval else 0
     sizes = [args.train_iters * args.global_batch_size, evals * args.global_batch_size or None, None]
     train, valid, _ = BlendedMegatronDatasetBuilder(MockGPTDataset if mock else GPTDataset, sizes, lambda: True,
