@@ -1,6 +1,8 @@
 """Starting the ranks: under torchrun as they are, or --nproc local processes spawned here; a failing rank
 prints its error, records the failure (--result-json) and exits non-zero without waiting for its peers, whose
-next collective then fails (or times out after --dist-timeout seconds), so a job never hangs silently.
+next collective then fails (or times out after --dist-timeout seconds), so a job never hangs silently. Spawned
+ranks are watched by the launching process (training.watchdog): failed, killed or frozen ranks and Ctrl-C end
+the job promptly, with no process left behind.
 `--compare-cp1` runs CP = 1 and then the requested run and prints their losses side by side."""
 from __future__ import annotations
 
@@ -29,6 +31,9 @@ def run_rank(rank: int, world: int, args, port: int | None, target) -> None:
             from ..megatron.cpu_shim import apply_cpu_shims
             apply_cpu_shims()
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("WORLD_SIZE", 1))))
+        # NCCL: a collective that outlives the timeout ends the process (torch >= 2.2's default, kept unless
+        # the user chose otherwise); gloo times out each collective by itself.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
         dist.init_process_group("nccl" if gpu else "gloo", timeout=datetime.timedelta(seconds=args.dist_timeout))
         target(args)
         dist.destroy_process_group()
@@ -42,8 +47,17 @@ def run_rank(rank: int, world: int, args, port: int | None, target) -> None:
         os._exit(1)
 
 
-def launch(args, target) -> None:
-    """Run target(args) on every rank: under torchrun as is, else in --nproc spawned processes."""
+def _spawned_rank(rank: int, world: int, args, port: int, target, beats, parent: int) -> None:
+    """Entry point of a rank spawned by launch(): heartbeat and parent-death guard first, then run_rank."""
+    from .watchdog import guard_rank
+    guard_rank(beats, rank, parent)
+    run_rank(rank, world, args, port, target)
+
+
+def launch(args, target, prog: str = "megatron-cp-pretrain") -> None:
+    """Run target(args) on every rank: under torchrun as is, else in --nproc spawned processes watched by this
+    one (training.watchdog): a rank that fails, is killed or freezes for --dist-timeout seconds, or SIGINT /
+    SIGTERM here, ends the job with one line naming the cause and no process left behind."""
     from ..bench._common import free_port
 
     if "RANK" in os.environ or not args.nproc or args.nproc == 1:
@@ -56,14 +70,22 @@ def launch(args, target) -> None:
         return
     import multiprocessing
 
-    import torch.multiprocessing as mp
+    from .watchdog import adopt_orphans, kill_descendants, supervise
+    adopt_orphans()
+    ctx = multiprocessing.get_context("spawn")
+    beats = ctx.RawArray("d", args.nproc)       # lock-free shared memory: no semaphore for a tracker to own
+    port = free_port()
+    procs = [ctx.Process(target=_spawned_rank, args=(r, args.nproc, args, port, target, beats, os.getpid()),
+                         name=f"rank{r}") for r in range(args.nproc)]
     try:
-        mp.spawn(run_rank, args=(args.nproc, args, free_port(), target), nprocs=args.nproc)
-    except Exception as e:  # noqa: BLE001 - a rank failed: make sure none is left behind, then fail
-        for child in multiprocessing.active_children():
-            child.kill()
-        print(f"megatron-cp-pretrain: {e}", file=sys.stderr, flush=True)
-        os._exit(1)
+        for p in procs:
+            p.start()
+    except BaseException:
+        kill_descendants([p for p in procs if p.pid is not None])
+        raise
+    status = supervise(procs, beats, args.dist_timeout, prog)
+    if status:
+        os._exit(status)          # nothing of ours is left to clean up; skip multiprocessing's atexit joins
 
 
 def compare_cp1(argv: list[str], args) -> None:

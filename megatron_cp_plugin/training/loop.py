@@ -40,7 +40,8 @@ def train(args) -> list[float]:
     if args.deterministic_mode:
         torch.use_deterministic_algorithms(True, warn_only=True)
     ps.initialize_model_parallel(tensor_model_parallel_size=args.tensor_model_parallel_size,
-                                 context_parallel_size=args.context_parallel_size)
+                                 context_parallel_size=args.context_parallel_size,
+                                 distributed_timeout_minutes=args.dist_timeout / 60)  # its groups' collectives too
     trainer = Trainer(args, cp_cfg, device)
     if args.load:
         trainer.load()

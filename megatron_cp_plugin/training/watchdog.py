@@ -1,0 +1,182 @@
+"""Watching spawned ranks (--nproc): a rank that dies, freezes or is left behind must end the job, promptly,
+with one line naming it, and leave no process behind.
+
+Each spawned rank runs a daemon thread (`guard_rank`) that writes the time into its slot of a shared array
+every BEAT_S seconds. The thread beats whatever the rank's main thread is doing (computing, saving, blocked in
+a gloo or NCCL collective, which release the GIL), so a stale slot means the whole process is frozen (SIGSTOP,
+a stopped debugger, swapped out): the same test on every backend. The launching process (`supervise`) polls
+the ranks: a rank that exits non-zero, or whose heartbeat is older than --dist-timeout, ends the job, as do
+SIGINT / SIGTERM / SIGHUP to the launcher. Ending the job means SIGKILL to every descendant of the launcher
+(the ranks and what they forked, e.g. dist_checkpointing's writer processes, kept in the tree by
+PR_SET_CHILD_SUBREAPER even when the rank that forked them died first) except multiprocessing's
+resource trackers, which exit by themselves once the processes holding their pipe are gone and then free
+whatever those registered. SIGKILL, not SIGTERM: a stopped process or one blocked in a collective would not
+act on SIGTERM, and a checkpoint save cut short is harmless because the tracker file is written only after
+a complete save (training/checkpoint.py). A rank whose launcher dies (kill -9) is killed by the kernel
+(PR_SET_PDEATHSIG), or by its guard thread if the launcher died before that was set.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+
+BEAT_S = 0.5          # heartbeat period of a rank's guard thread
+POLL_S = 0.2          # the launcher's polling period
+START_S = 120.0       # a rank gets at least this long to import torch and start beating (busy machines)
+
+
+def guard_rank(beats, rank: int, parent: int) -> None:
+    """In a spawned rank, first thing: die with the launcher, leave SIGINT to it, and beat every BEAT_S."""
+    try:                                          # the kernel kills this rank when the launcher dies
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))      # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):             # not Linux: the thread below still notices
+        pass
+    # Ctrl-C reaches the whole process group; the launcher alone decides, so ranks print no tracebacks.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def beat() -> None:
+        while True:
+            beats[rank] = time.monotonic()       # CLOCK_MONOTONIC: one clock for every process of the host
+            if os.getppid() != parent:           # the launcher died before prctl took effect
+                os._exit(1)
+            time.sleep(BEAT_S)
+
+    beats[rank] = time.monotonic()
+    threading.Thread(target=beat, name="megatron-cp-heartbeat", daemon=True).start()
+
+
+def _children() -> dict[int, list[int]]:
+    kids: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            kids.setdefault(ppid, []).append(int(name))
+    return kids
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of pid (children first), from /proc."""
+    kids, out, todo = _children(), [], [pid]
+    while todo:
+        for c in kids.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def state(pid: int) -> str:
+    """The process state letter of /proc/<pid>/stat ('R', 'S', 'T' stopped, 'Z', ...); '?' if unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "?"
+
+
+def adopt_orphans() -> None:
+    """Make this process the reaper of its descendants' orphans (PR_SET_CHILD_SUBREAPER): a process a rank
+    forked (a checkpoint writer) whose rank dies stays our descendant, so kill_descendants still finds it."""
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1)      # PR_SET_CHILD_SUBREAPER = 36
+    except (OSError, AttributeError):
+        pass
+
+
+def kill_descendants(procs) -> None:
+    """SIGKILL every descendant of this process but the resource trackers, then reap them."""
+    ranks = {p.pid for p in procs}
+    for _ in range(5):                            # one forked or adopted while we collected: sweep again
+        pids = [p for p in descendants(os.getpid()) if "resource_tracker" not in _cmdline(p)]
+        if not pids:
+            break
+        for p in pids:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for p in procs:
+            p.join(timeout=5)
+        for p in set(pids) - ranks:                # adopted orphans are our children now: no zombies
+            try:
+                os.waitpid(p, os.WNOHANG)
+            except ChildProcessError:
+                pass
+
+
+def _why(rank: int, proc, beats, now: float, timeout: float) -> str:
+    age = now - beats[rank]
+    st = state(proc.pid)
+    words = {"T": "stopped", "t": "stopped by a tracer", "D": "in uninterruptible I/O", "Z": "exited"}.get(st, st)
+    return (f"rank {rank} (pid {proc.pid}) is frozen: no heartbeat for {age:.1f} s, over --dist-timeout "
+            f"{timeout:g} s (process state: {words})")
+
+
+def supervise(procs, beats, timeout: float, prog: str) -> int:
+    """Watch the started ranks until all exit 0 (returns 0) or the job must end (kills everything, returns the
+    exit status after printing one line naming the cause)."""
+    interrupted: list[int] = []
+
+    def on_signal(signum, _frame):
+        interrupted.append(signum)
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    start = last = time.monotonic()
+    try:
+        while True:
+            time.sleep(POLL_S)
+            now = time.monotonic()
+            if now - last > POLL_S + 2.0:         # this process was stopped too (Ctrl-Z, fg): so were the ranks
+                for r in range(len(procs)):
+                    beats[r] = max(beats[r], now)
+            last = now
+            cause, status = None, 1
+            if interrupted:
+                cause, status = f"interrupted by {signal.Signals(interrupted[0]).name}", 128 + interrupted[0]
+            codes = [p.exitcode for p in procs]
+            if cause is None and all(c == 0 for c in codes):
+                return 0
+            failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+            stale = [r for r, p in enumerate(procs) if codes[r] is None and (
+                     now - max(beats[r], start) > (timeout if beats[r] else max(timeout, START_S)))]
+            if cause is None and failed:
+                # A peer's collective may time out first: a frozen rank (beat missing for a few periods, or
+                # stopped) is the cause, then a killed one, then the first that failed.
+                frozen = [r for r, p in enumerate(procs) if codes[r] is None and beats[r]
+                          and (now - beats[r] > 4 * BEAT_S or state(p.pid) in "Tt")]
+                killed = [r for r in failed if codes[r] < 0]
+                if frozen:
+                    cause = _why(frozen[0], procs[frozen[0]], beats, now, timeout)
+                elif killed:
+                    r = killed[0]
+                    cause = f"rank {r} (pid {procs[r].pid}) was killed by {signal.Signals(-codes[r]).name}"
+                else:
+                    cause = f"rank {failed[0]} (pid {procs[failed[0]].pid}) failed with exit status {codes[failed[0]]}"
+            elif cause is None and stale:
+                cause = _why(stale[0], procs[stale[0]], beats, now, timeout)
+            if cause is not None:
+                kill_descendants(procs)
+                print(f"{prog}: {cause}; stopped every rank", file=sys.stderr, flush=True)
+                return status
+    except BaseException:
+        kill_descendants(procs)
+        raise
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
