@@ -122,6 +122,29 @@ def test_bad_flags_fail_at_start_up_on_every_rank(flags, needle):
     assert "iter " not in r.stdout                                  # nothing trained
 
 
+def test_tensor_parallel_pads_the_vocabulary_and_counts_the_models_parameters(tmp_path):
+    """TP 2 with the byte tokenizer (257 ids): rows padded to a multiple of 128 x TP = 512, as Megatron-LM does.
+    TP 1 padded to a multiple of 256 has the same 512 rows: same model, same losses, same parameter count
+    (the model's, not one TP rank's half)."""
+    runs = {}
+    for tp, flags in ((1, ["--make-vocab-size-divisible-by", "256"]), (2, [])):
+        res = tmp_path / f"tp{tp}.json"
+        r = _pretrain("--train-iters", "3", "--tensor-model-parallel-size", str(tp), "--log-json",
+                      str(tmp_path / f"tp{tp}.jsonl"), "--result-json", str(res), *flags, nproc=tp, timeout=300)
+        runs[tp] = (_losses(tmp_path / f"tp{tp}.jsonl"), json.loads(res.read_text()), r.stdout)
+    (l1, rec1, out1), (l2, rec2, out2) = runs[1], runs[2]
+    assert rec1["vocab_size"] == rec2["vocab_size"] == 512
+    assert rec1["n_params"] == rec2["n_params"]
+    line = next(x for x in out2.splitlines() if "parameters" in x)
+    assert f"{rec1['n_params'] / 1e6:.2f}M parameters" in line and "TP 2" in line
+    assert l1 == pytest.approx(l2, rel=1e-5, abs=1e-5)
+
+
+def test_make_vocab_size_divisible_by_is_checked_at_start_up():
+    r = _pretrain("--make-vocab-size-divisible-by", "0", "--train-iters", "2", nproc=2, timeout=120, check=False)
+    assert r.returncode == 2 and "--make-vocab-size-divisible-by 0: must be at least 1" in r.stderr, r.stderr
+
+
 def _children(pid):
     kids = []
     for p in os.listdir("/proc"):

@@ -217,8 +217,9 @@ def layouts(m: Model, gpus: int) -> list[Layout]:
 def model_from_args(args) -> Model:
     if getattr(args, "tensor_model_parallel_size", 1) != 1:
         raise ValueError("--tensor-model-parallel-size: the planner models TP = 1 only")
-    from ..megatron.tokenizer import ByteTokenizer
-    vocab = args.vocab_size or ByteTokenizer(None).vocab_size
+    from ..megatron.tokenizer import ByteTokenizer, padded_vocab_size
+    vocab = padded_vocab_size(args.vocab_size or ByteTokenizer(None).vocab_size,
+                              getattr(args, "make_vocab_size_divisible_by", 128))
     return Model(layers=args.num_layers, hidden=args.hidden_size, heads=args.num_attention_heads,
                  groups=args.num_query_groups or args.num_attention_heads,
                  ffn=args.ffn_hidden_size or 4 * args.hidden_size, vocab=vocab, seq=args.seq_length,

@@ -84,7 +84,7 @@ def _generate(args) -> None:
     from megatron.core import parallel_state as ps
 
     from ..megatron.model import build_gpt
-    from ..megatron.tokenizer import ByteTokenizer
+    from ..megatron.tokenizer import ByteTokenizer, padded_vocab_size
     from .floor import floor_line, memory_bandwidth, weight_bytes
     from .static import StaticDecoder
 
@@ -106,7 +106,9 @@ def _generate(args) -> None:
     if gpu:
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
         model_parallel_cuda_manual_seed(args.seed)
-    model = build_gpt(transformer_config(args, gpu), cp_cfg, vocab_size=tok.vocab_size,
+    # the trainer's padded rows (a checkpoint records them as its vocab_size, which padding leaves as it is)
+    rows = padded_vocab_size(tok.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
+    model = build_gpt(transformer_config(args, gpu), cp_cfg, vocab_size=rows,
                       seq_length=args.max_position_embeddings or args.seq_length, cp_group=cp_group).to(device)
     if args.load:
         loaded = dist_checkpointing.load({"model": model.sharded_state_dict(prefix="model.")},

@@ -37,7 +37,9 @@ def gpt_params(a) -> float:
     kv = 2 * h * groups // a.num_attention_heads
     ffn = a.ffn_hidden_size or 4 * h
     per_layer = h * (h + kv) + h * h + 2 * h * ffn
-    return layers * per_layer + (a.vocab_size or 257) * h
+    from .tokenizer import padded_vocab_size
+    vocab = padded_vocab_size(a.vocab_size or 257, a.make_vocab_size_divisible_by, a.tensor_model_parallel_size)
+    return layers * per_layer + vocab * h
 
 
 def layout_flags(a, layout: str) -> list[str]:

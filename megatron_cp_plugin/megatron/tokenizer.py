@@ -124,3 +124,11 @@ class ByteTokenizer:
     def additional_special_tokens_ids(self) -> List[int]:
         """No additional special tokens."""
         return []
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int = 1) -> int:
+    """The embedding and output layer's rows, as Megatron-LM pads them (--make-vocab-size-divisible-by): the
+    vocabulary rounded up to a multiple of divisible_by x TP, so that each tensor-parallel rank holds an equal
+    slice (ids past the tokenizer's are never inputs or targets; their logits only train downwards)."""
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple

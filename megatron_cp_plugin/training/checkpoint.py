@@ -48,7 +48,7 @@ def model_args(trainer) -> dict:
     a = trainer.args
     return {"num_layers": a.num_layers, "hidden_size": a.hidden_size, "num_attention_heads": a.num_attention_heads,
             "num_query_groups": a.num_query_groups, "ffn_hidden_size": a.ffn_hidden_size or 4 * a.hidden_size,
-            "vocab_size": trainer.tokenizer.vocab_size}
+            "vocab_size": trainer.vocab_rows}            # the embedding's rows (padded)
 
 
 def rng_state(gpu: bool) -> dict:

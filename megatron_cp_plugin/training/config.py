@@ -76,6 +76,8 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
       "gives the same batches, e.g. for comparing with CP = 1")
     a("--tokenizer-type", default="ByteLevel", choices=("ByteLevel",))
     a("--vocab-size", type=int, default=None, help="default: the tokenizer's (257 for ByteLevel)")
+    a("--make-vocab-size-divisible-by", type=int, default=128, help="as Megatron-LM: the embedding and output "
+      "layer get the vocabulary rounded up to a multiple of N x TP rows (257 -> 384 by default)")
     a("--log-interval", type=int, default=1)
     a("--eval-interval", type=int, default=None)
     a("--eval-iters", type=int, default=2)
@@ -207,7 +209,8 @@ def launch_errors(args) -> list[str]:
     if args.nproc is not None and args.nproc < 1:
         errors.append(f"--nproc {args.nproc}: must be at least 1 (local processes to spawn)")
     # (--eval-interval / --save-interval / --exit-interval 0 keep meaning "never", as their `if` reads them)
-    for flag in ("log_interval", "micro_batch_size", "train_iters", "seq_length", "global_batch_size"):
+    for flag in ("log_interval", "micro_batch_size", "train_iters", "seq_length", "global_batch_size",
+                 "make_vocab_size_divisible_by"):
         value = getattr(args, flag, None)
         if value is not None and value < 1:
             errors.append(f"--{flag.replace('_', '-')} {value}: must be at least 1")

@@ -50,11 +50,11 @@ def train(args) -> list[float]:
         print(f"megatron-cp-pretrain: {world} ranks (TP {args.tensor_model_parallel_size}, CP "
               f"{args.context_parallel_size}, DP {args.data_parallel_size}), algo {cp_cfg.algo}, "
               f"{trainer.n_params / 1e6:.2f}M parameters, {_layout_words(args)}, "
-              f"{'bf16 GPU' if args.bf16 else device.type + ' fp32'}; TFLOP/s counts "
+              f"{'bf16' if args.bf16 else 'fp32'} {'GPU' if gpu else 'CPU'}; TFLOP/s counts "
               f"{report.flops_per_iter.__doc__.split(chr(10))[0].strip()}"
               f"{' (attention: sum of squared document lengths)' if trainer.document_unit else ''}", flush=True)
     losses, saved, packed_flops = [], False, []
-    result = report.start_record(args, world, cp_cfg, device, trainer.n_params, trainer.tokenizer.vocab_size, flops)
+    result = report.start_record(args, world, cp_cfg, device, trainer.n_params, trainer.vocab_rows, flops)
     t0 = time.perf_counter()
     while trainer.iteration < args.train_iters:
         t_step = time.perf_counter()

@@ -60,6 +60,12 @@ def micro_batches(dataset, args, it: int, dp_rank: int):
                ("tokens", "labels", "loss_mask", "position_ids")}
 
 
+def model_params(model, tp: int) -> int:
+    """The model's parameter count (not this rank's): tensor-parallel weights hold 1 / TP of their rows or
+    columns on each rank (Megatron marks them `tensor_model_parallel`), the rest are replicated."""
+    return sum(p.numel() * (tp if getattr(p, "tensor_model_parallel", False) else 1) for p in model.parameters())
+
+
 class Trainer:
     """One run's model, optimizer, scheduler and data; `iteration` counts the optimizer steps taken."""
 
@@ -69,7 +75,7 @@ class Trainer:
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         from ..megatron.model import build_gpt
-        from ..megatron.tokenizer import ByteTokenizer
+        from ..megatron.tokenizer import ByteTokenizer, padded_vocab_size
 
         self.args, self.cp_cfg, self.device = args, cp_cfg, device
         self.gpu = device.type == "cuda"
@@ -85,10 +91,13 @@ class Trainer:
         if self.gpu:                                   # Megatron initialises GPU weights from its RNG tracker
             from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
             model_parallel_cuda_manual_seed(args.seed)
-        model = build_gpt(config, cp_cfg, vocab_size=self.tokenizer.vocab_size,
+        # As Megatron-LM: 257 rows do not split over TP = 2; every TP size gets the same padded table.
+        self.vocab_rows = padded_vocab_size(self.tokenizer.vocab_size, args.make_vocab_size_divisible_by,
+                                            self.tp_size)
+        model = build_gpt(config, cp_cfg, vocab_size=self.vocab_rows,
                           seq_length=args.max_position_embeddings or args.seq_length, cp_group=self.cp_group)
         self.gpt = model                               # the GPTModel inside the wrappers
-        self.n_params = sum(p.numel() for p in model.parameters())
+        self.n_params = model_params(model, self.tp_size)
         if args.bf16:
             # As Megatron-LM: every parameter in bf16 (Megatron's local RMSNorm would keep fp32 weights, and
             # the distributed optimizer's checkpoint mapping assumes one dtype per buffer), fp32 outputs.
