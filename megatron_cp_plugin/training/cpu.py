@@ -9,7 +9,11 @@ communication against computation. With no GPU, `install_cuda_on_cpu()`:
   argument of factory functions and of `.to(...)`, makes `.cuda()` and `.pin_memory()` identities, and
   names CPU tensors' types as their CUDA types so those dtype checks take the same branch);
 - turns streams and events into no-ops: on a CPU every operation runs in program order on one thread, which
-  is what any stream ordering was there to guarantee;
+  is what any stream ordering was there to guarantee; for that to hold for communication too, Megatron's
+  coalesced collectives (Megatron-FSDP's parameter prefetch, the DDP buckets) complete before they return
+  (gloo runs async collectives on its own threads, and a bucket that a GPU run orders by streams could then
+  be freed or refilled while gloo still writes into it: 1 run in 7 of the FSDP resume test crashed in
+  gloo's run loop with heap corruption before this);
 - makes `torch.cuda.current_device()` answer device 0 (mapped to the CPU like the rest) and
   synchronize / empty_cache no-ops.
 What cannot be the same on a CPU: NCCL (gloo instead) and the CUDA random-number generator (checkpoints save
@@ -55,6 +59,17 @@ class _CudaOnCpu(TorchFunctionMode):
             name = func(*args)                        # "torch.FloatTensor" -> "torch.cuda.FloatTensor"
             return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
         return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _coalesced_in_order(group=None, device=None, async_ops=False):
+    """torch's _coalescing_manager with the coalesced collectives finished on exit, whatever async_ops asked
+    for; the caller's later cm.wait() finds nothing left to wait for."""
+    with _ORIGINAL_COALESCING_MANAGER(group, device, async_ops=False) as cm:
+        yield cm
+
+
+_ORIGINAL_COALESCING_MANAGER = torch.distributed._coalescing_manager
 
 
 class _Stream:
@@ -104,6 +119,15 @@ def install_cuda_on_cpu() -> bool:
         cuda.stream = lambda *a, **k: contextlib.nullcontext()
         # Megatron-FSDP warns once per rank that its device (the CPU) is not "cuda:0": expected here.
         logging.getLogger("megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp").setLevel(logging.ERROR)
+        import importlib
+        for name in ("megatron.core.distributed.param_and_grad_buffer",
+                     "megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer"):
+            try:
+                module = importlib.import_module(name)
+            except ImportError:                       # a megatron-core without this module
+                continue
+            if hasattr(module, "_coalescing_manager"):
+                module._coalescing_manager = _coalesced_in_order
         _mode = _CudaOnCpu()
         _mode.__enter__()                             # for the rest of the process (training ranks only)
     return True
