@@ -44,6 +44,8 @@ def run_rank(rank: int, world: int, args, port: int | None, target) -> None:
             write_record(args, "failed", f"{type(e).__name__}: {e}")
         except Exception:  # noqa: BLE001 - the exit status matters more than the record
             pass
+        from .watchdog import kill_own_helpers
+        kill_own_helpers()
         os._exit(1)
 
 

@@ -7,13 +7,13 @@ a gloo or NCCL collective, which release the GIL), so a stale slot means the who
 a stopped debugger, swapped out): the same test on every backend. The launching process (`supervise`) polls
 the ranks: a rank that exits non-zero, or whose heartbeat is older than --dist-timeout, ends the job, as do
 SIGINT / SIGTERM / SIGHUP to the launcher. Ending the job means SIGKILL to every descendant of the launcher
-(the ranks and what they forked, e.g. dist_checkpointing's writer processes, kept in the tree by
+(the ranks and what they started, e.g. dist_checkpointing's writer forks and Manager process, kept in the tree by
 PR_SET_CHILD_SUBREAPER even when the rank that forked them died first) except multiprocessing's
 resource trackers, which exit by themselves once the processes holding their pipe are gone and then free
 whatever those registered. SIGKILL, not SIGTERM: a stopped process or one blocked in a collective would not
 act on SIGTERM, and a checkpoint save cut short is harmless because the tracker file is written only after
-a complete save (training/checkpoint.py). A rank whose launcher dies (kill -9) is killed by the kernel
-(PR_SET_PDEATHSIG), or by its guard thread if the launcher died before that was set.
+a complete save (training/checkpoint.py). A rank whose launcher dies (kill -9) is woken by the kernel
+(PR_SET_PDEATHSIG, SIGCONT), and its guard thread kills what the rank started and ends it.
 """
 from __future__ import annotations
 
@@ -30,10 +30,13 @@ START_S = 120.0       # a rank gets at least this long to import torch and start
 
 def guard_rank(beats, rank: int, parent: int) -> None:
     """In a spawned rank, first thing: die with the launcher, leave SIGINT to it, and beat every BEAT_S."""
-    try:                                          # the kernel kills this rank when the launcher dies
+    # When the launcher dies the kernel sends SIGCONT (PR_SET_PDEATHSIG), which wakes a stopped rank; its
+    # heartbeat thread then kills what the rank started (dist_checkpointing's writer forks and the Manager
+    # process it spawns, which would otherwise outlive it) and ends the rank. SIGKILL here would orphan those.
+    try:
         import ctypes
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))      # PR_SET_PDEATHSIG = 1
-    except (OSError, AttributeError):             # not Linux: the thread below still notices
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGCONT))      # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):             # not Linux: the thread below still notices, within BEAT_S
         pass
     # Ctrl-C reaches the whole process group; the launcher alone decides, so ranks print no tracebacks.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -41,7 +44,8 @@ def guard_rank(beats, rank: int, parent: int) -> None:
     def beat() -> None:
         while True:
             beats[rank] = time.monotonic()       # CLOCK_MONOTONIC: one clock for every process of the host
-            if os.getppid() != parent:           # the launcher died before prctl took effect
+            if os.getppid() != parent:           # the launcher died
+                kill_own_helpers()
                 os._exit(1)
             time.sleep(BEAT_S)
 
@@ -99,18 +103,32 @@ def adopt_orphans() -> None:
         pass
 
 
+def _descendants_but_trackers(pid: int) -> list[int]:
+    return [p for p in descendants(pid) if "resource_tracker" not in _cmdline(p)]
+
+
+def kill_own_helpers() -> None:
+    """SIGKILL what this process started (a rank's checkpoint writers, Manager process), before it exits
+    abnormally: os._exit runs no finalizer that would shut them down."""
+    _kill(_descendants_but_trackers(os.getpid()))
+
+
+def _kill(pids) -> None:
+    for p in pids:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def kill_descendants(procs) -> None:
     """SIGKILL every descendant of this process but the resource trackers, then reap them."""
     ranks = {p.pid for p in procs}
     for _ in range(5):                            # one forked or adopted while we collected: sweep again
-        pids = [p for p in descendants(os.getpid()) if "resource_tracker" not in _cmdline(p)]
+        pids = _descendants_but_trackers(os.getpid())
         if not pids:
             break
-        for p in pids:
-            try:
-                os.kill(p, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        _kill(pids)
         for p in procs:
             p.join(timeout=5)
         for p in set(pids) - ranks:                # adopted orphans are our children now: no zombies
