@@ -112,8 +112,8 @@ def test_frozen_rank_ends_the_job_within_dist_timeout():
         took = job.ended_within(TIMEOUT + 10)
         out = job.output()
         assert job.p.returncode != 0
-        assert re.search(rf"rank \d \(pid {victim}\) is frozen: no heartbeat for [\d.]+ s, over --dist-timeout "
-                         rf"{TIMEOUT} s \(process state: stopped\)", out), out[-3000:]
+        assert re.search(rf"rank \d \(pid {victim}\) is frozen: no heartbeat for [\d.]+ s \(--dist-timeout "
+                         rf"{TIMEOUT} s, process state: stopped\)", out), out[-3000:]
         assert took < TIMEOUT + 5, took
     finally:
         job.cleanup()

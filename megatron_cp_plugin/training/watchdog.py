@@ -138,12 +138,12 @@ def kill_descendants(procs) -> None:
                 pass
 
 
-def _why(rank: int, proc, beats, now: float, timeout: float) -> str:
-    age = now - beats[rank]
+def _why(rank: int, proc, since: float, now: float, timeout: float) -> str:
+    age = now - since
     st = state(proc.pid)
     words = {"T": "stopped", "t": "stopped by a tracer", "D": "in uninterruptible I/O", "Z": "exited"}.get(st, st)
-    return (f"rank {rank} (pid {proc.pid}) is frozen: no heartbeat for {age:.1f} s, over --dist-timeout "
-            f"{timeout:g} s (process state: {words})")
+    return (f"rank {rank} (pid {proc.pid}) is frozen: no heartbeat for {age:.1f} s (--dist-timeout {timeout:g} s, "
+            f"process state: {words})")
 
 
 def supervise(procs, beats, timeout: float, prog: str) -> int:
@@ -174,20 +174,21 @@ def supervise(procs, beats, timeout: float, prog: str) -> int:
             stale = [r for r, p in enumerate(procs) if codes[r] is None and (
                      now - max(beats[r], start) > (timeout if beats[r] else max(timeout, START_S)))]
             if cause is None and failed:
-                # A peer's collective may time out first: a frozen rank (beat missing for a few periods, or
-                # stopped) is the cause, then a killed one, then the first that failed.
+                # A peer's collective may time out first: a frozen rank (beat missing for longer than a loaded
+                # machine delays a live one's, or stopped) is the cause, then a killed one, then the first.
                 frozen = [r for r, p in enumerate(procs) if codes[r] is None and beats[r]
-                          and (now - beats[r] > 4 * BEAT_S or state(p.pid) in "Tt")]
+                          and (now - beats[r] > max(4 * BEAT_S, min(5.0, timeout / 2)) or state(p.pid) in "Tt")]
                 killed = [r for r in failed if codes[r] < 0]
                 if frozen:
-                    cause = _why(frozen[0], procs[frozen[0]], beats, now, timeout)
+                    cause = _why(frozen[0], procs[frozen[0]], beats[frozen[0]], now, timeout)
                 elif killed:
                     r = killed[0]
-                    cause = f"rank {r} (pid {procs[r].pid}) was killed by {signal.Signals(-codes[r]).name}"
+                    name = signal.Signals(-codes[r]).name if -codes[r] in signal.valid_signals() else -codes[r]
+                    cause = f"rank {r} (pid {procs[r].pid}) was killed by {name}"
                 else:
                     cause = f"rank {failed[0]} (pid {procs[failed[0]].pid}) failed with exit status {codes[failed[0]]}"
             elif cause is None and stale:
-                cause = _why(stale[0], procs[stale[0]], beats, now, timeout)
+                cause = _why(stale[0], procs[stale[0]], max(beats[stale[0]], start), now, timeout)
             if cause is not None:
                 kill_descendants(procs)
                 print(f"{prog}: {cause}; stopped every rank", file=sys.stderr, flush=True)
