@@ -119,8 +119,8 @@ def test_frozen_rank_ends_the_job_within_dist_timeout():
         job.cleanup()
 
 
-def test_killed_rank_ends_the_job_at_once():
-    job = Job()
+def test_killed_rank_ends_the_job_at_once_even_during_a_save(tmp_path):
+    job = Job("--save", str(tmp_path / "ckpt"), "--save-interval", "1")    # was: 30 s, writer processes left
     try:
         job.wait_for(r"iter +2 ")
         victim = job.ranks()[0]
@@ -159,3 +159,15 @@ def test_ctrl_c_during_saves_ends_the_job_and_keeps_the_last_complete_checkpoint
     assert json.loads((path / "megatron_cp_plugin.json").read_text())["iteration"] == it
     state = read_checkpoint(path, tmp_path)                    # every tensor of it, through its index
     assert any(k.startswith("model") for k in state) and any("exp_avg" in k for k in state)
+
+
+def test_killed_launcher_takes_its_ranks_and_their_helpers_along(tmp_path):
+    job = Job("--save", str(tmp_path / "ckpt"), "--save-interval", "1")
+    try:
+        job.wait_for(r"iter +2 ")
+        ranks = job.ranks()
+        os.kill(ranks[1], signal.SIGSTOP)          # a stopped rank goes too
+        os.kill(job.p.pid, signal.SIGKILL)
+        job.ended_within(5)                        # nothing of the job may be left 5 s later
+    finally:
+        job.cleanup()
