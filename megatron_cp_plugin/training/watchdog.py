@@ -55,6 +55,8 @@ def guard_rank(beats, rank: int, parent: int) -> None:
 
 def _children() -> dict[int, list[int]]:
     kids: dict[int, list[int]] = {}
+    if not os.path.isdir("/proc"):                # not Linux: only the ranks themselves are killed
+        return kids
     for name in os.listdir("/proc"):
         if name.isdigit():
             try:
