@@ -127,7 +127,7 @@ def kill_descendants(procs) -> None:
     """SIGKILL every descendant of this process but the resource trackers, then reap them."""
     ranks = {p.pid for p in procs}
     for _ in range(5):                            # one forked or adopted while we collected: sweep again
-        pids = _descendants_but_trackers(os.getpid())
+        pids = _descendants_but_trackers(os.getpid()) + [p.pid for p in procs if p.exitcode is None]
         if not pids:
             break
         _kill(pids)
