@@ -31,20 +31,30 @@ START_S = 120.0       # a rank gets at least this long to import torch and start
 def guard_rank(beats, rank: int, parent: int) -> None:
     """In a spawned rank, first thing: die with the launcher, leave SIGINT to it, and beat every BEAT_S."""
     # When the launcher dies the kernel sends SIGCONT (PR_SET_PDEATHSIG), which wakes a stopped rank; its
-    # heartbeat thread then kills what the rank started (dist_checkpointing's writer forks and the Manager
-    # process it spawns, which would otherwise outlive it) and ends the rank. SIGKILL here would orphan those.
+    # heartbeat thread then kills the rank's process group: the rank and what it started (dist_checkpointing's
+    # writer forks and the Manager process it spawns), which SIGKILL as parent-death signal would orphan.
     try:
         import ctypes
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGCONT))      # PR_SET_PDEATHSIG = 1
     except (OSError, AttributeError):             # not Linux: the thread below still notices, within BEAT_S
         pass
-    # Ctrl-C reaches the whole process group; the launcher alone decides, so ranks print no tracebacks.
+    # SIGINT is the launcher's to handle (it ends the job), so ranks print no tracebacks. A process group of
+    # its own keeps the terminal's Ctrl-C and Ctrl-Z from the rank (the launcher acts for it) and gathers what
+    # the rank starts, so that one killpg ends them all, even a process the rank's main thread is starting at
+    # that moment (the kernel lets no fork escape a group kill).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        os.setpgid(0, 0)
+        own_group = True
+    except OSError:
+        own_group = False
 
     def beat() -> None:
         while True:
             beats[rank] = time.monotonic()       # CLOCK_MONOTONIC: one clock for every process of the host
             if os.getppid() != parent:           # the launcher died
+                if own_group:
+                    os.killpg(0, signal.SIGKILL)  # this rank too
                 kill_own_helpers()
                 os._exit(1)
             time.sleep(BEAT_S)
