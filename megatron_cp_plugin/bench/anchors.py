@@ -68,6 +68,11 @@ def te_p2p(q, k, v, do, *, causal: bool):
         import transformer_engine.pytorch as te
     except ImportError as e:
         raise Unavailable("transformer-engine is not installed (pip install 'megatron-cp-plugin[te]')") from e
+    except Exception as e:  # noqa: BLE001 - a broken install (CUDA / library mismatch) is reported, not fatal
+        msg = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        raise Unavailable(f"import transformer_engine failed: {msg}") from e
+    if not q.is_cuda:
+        raise Unavailable("TransformerEngine's CP attention needs CUDA tensors")
     from ..sharding import shard_sequence   # TE's p2p CP uses Megatron's zigzag layout, as ring does
 
     group = dist.group.WORLD
