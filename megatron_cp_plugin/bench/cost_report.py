@@ -9,6 +9,9 @@ measured  predictions against the measured figures of docs/results/cost_model_me
 papers    the papers' settings (attention2d.txt Sec. 4.1, 4.3; tree-attention.txt Sec. 6.1) next to their claims.
 node8     P = 4 and 8 on one 8 x H200 node: every algorithm, 128k-512k, MHA and GQA.
 decode    decode on one 8 x H200 node, Llama-3.1-8B attention, P = 2, 4, 8.
+scale     P = 16, 32, 64 over 100-400 Gb/s links, every algorithm against ring-te, and the attention2d paper's
+          Sec. 4 claims beside the model's speed-ups (bench/cost_scale.py).
+bytes     mean bytes per rank against ring-te at P = 4, 16, 64 (MHA, bf16, 128k) and issue 16's targets.
 --out STEM writes STEM.json (the rows, unformatted) and STEM.md (what is printed).
 """
 from __future__ import annotations
@@ -23,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..algos import ALGORITHMS
+from . import cost_scale
 from ..cost_model import (DECODE_METHODS, FA2_H100, HARDWARE, DecodeProblem, Hardware, Problem, choose_algo,
                           predict, predict_decode)
 
@@ -296,7 +300,34 @@ def table_problem(pb: Problem, hw: Hardware) -> Table:
                   "MiB sent fwd": lambda v: f"{v:.1f}", "MiB sent bwd": lambda v: f"{v:.1f}"})
 
 
-TABLES = {"measured": table_measured, "papers": table_papers, "node8": table_node8, "decode": table_decode}
+def table_scale() -> list[Table]:
+    """bench/cost_scale.py: P = 16-64 over 100-400 Gb/s against ring-te, on two topologies; the paper's claims."""
+    pair = lambda v: f"{v[0]:.2f} / {v[1]:.2f}"  # noqa: E731
+    fmt = {"N": _k, **dict.fromkeys(cost_scale.SCALE_ALGOS[1:], pair)}
+    rows = {t: cost_scale.scale_rows(t) for t in ("8/node", "1/node")}
+    out = [Table(f"{t}: {cost_scale.link_hardware(t, 400).name.split(' at')[0]} with its NICs at the given line rate "
+                 f"({cost_scale.USABLE:.0%} of it usable), h = 32, d = 128, b = 1, bf16, causal, one layer fwd+bwd. "
+                 "ring-te ms: its predicted time; algorithm cells: predicted time / mean bytes per rank, each over "
+                 "ring-te's; grid: Attention2D's default (choose_grid), placed row-major where its columns divide "
+                 "a node", rs, fmt) for t, rs in rows.items()]
+    out.append(Table("The attention2d paper's Sec. 4 claims (its baseline: TransformerEngine's ring, our ring-te) "
+                     "beside the model's speed-up of the faster Attention2D variant over ring-te, over the rows "
+                     "above (all links, heads and lengths unless stated)", cost_scale.claims_rows(rows)))
+    return out
+
+
+def table_bytes() -> list[Table]:
+    """bench/cost_scale.py: mean bytes per rank over ring-te's at P = 4, 16, 64 against issue 16's targets."""
+    r2 = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)  # noqa: E731
+    return [Table("Mean bytes per rank per fwd+bwd over ring-te's (comm_bytes averaged over ranks), MHA (h = 32, "
+                  "d = 128), bf16, N = 128k, b = 1, causal; grids column-major as bench.cp_attention runs them; "
+                  "target: the chosen Attention2D variant's, issue 16", cost_scale.bytes_rows(),
+                  {c: r2 for c in ("ring", "burst", "attention2d-no", "attention2d-o", "attention2d-no row-major",
+                                   "target (issue 16)", "before issue 16")})]
+
+
+TABLES = {"measured": table_measured, "papers": table_papers, "node8": table_node8, "decode": table_decode,
+          "scale": table_scale, "bytes": table_bytes}
 
 
 def main(argv=None) -> int:
