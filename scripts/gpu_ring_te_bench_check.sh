@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Issue 16 item 2 on 2 x H200 (NVLink; about 3-5 minutes, stops itself before 7): megatron-cp-bench attention
+# with ring-te in the default algorithms and the fwd_bwd_x_ring_te column, bf16, causal, b = 1, d = 128, 128k:
+#   A. NVLink, MHA 16/16: every algorithm, ring-te, single GPU, the anchors (te-p2p runs where
+#      `import transformer_engine` works, else one 'not run' line);
+#   B. NVLink, GQA 32/8 (torch CP cannot run GQA and says so);
+#   C. --slow-link (NCCL over sockets), MHA 16/16, fewer iterations: issue 16's P = 2 target is burst and
+#      attention2d-no <= 0.8x ring-te there.
+# Checks (summary.md): every run exits 0; ring-te's row has fwd_bwd_x_ring_te = 1; ring-te sends 2/3 of ring's
+# backward bytes in bf16 (fwd+bwd MB: ring-te = 0.75 x ring).
+# Writes under $OUT: gpu_ring_te_bench_check.log, summary.md, attn_mha.{json,md}, attn_gqa.{json,md},
+# attn_sockets.{json,md} (PNGs are not written: matplotlib is not needed).
+set -u
+OUT=${OUT:-results/ring_te_check}; mkdir -p "$OUT"
+if [ -d .whl ] && ! python3 -c "import megatron.core" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 MPLBACKEND=Agg PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
+LOG=$OUT/gpu_ring_te_bench_check.log; : > "$LOG"
+BUDGET=${BUDGET:-400}
+run() {                                   # run NAME CAP_SECONDS CMD...: log it, bounded by the budget
+  local name=$1 cap=$2; shift 2
+  local left=$((BUDGET - SECONDS)); local t=$(( cap < left ? cap : left ))
+  if [ "$left" -lt 30 ]; then echo "== $name: skipped, $left s of the budget left" | tee -a "$LOG"; return 1; fi
+  echo "== $name (timeout $t s): $*" | tee -a "$LOG"
+  timeout -k 10 "$t" "$@" >> "$LOG" 2>&1; local rc=$?
+  echo "== $name: exit $rc after ${SECONDS} s" | tee -a "$LOG"; return $rc
+}
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader >> "$LOG" 2>&1
+python3 -c "import transformer_engine; print('transformer_engine', transformer_engine.__version__)" >> "$LOG" 2>&1 \
+  || echo "transformer_engine: not importable (te-p2p will be 'not run')" >> "$LOG"
+B="torchrun --nproc-per-node 2 -m megatron_cp_plugin.bench attention --seq 131072"
+run A 150 $B --heads 16 --warmup 2 --iters 5 --out "$OUT/attn_mha"; a=$?
+run B 120 $B --heads 32 --kv-heads 8 --warmup 2 --iters 5 --anchors te-p2p --out "$OUT/attn_gqa"; b=$?
+run C 150 $B --heads 16 --warmup 1 --iters 3 --slow-link --anchors te-p2p \
+  --out "$OUT/attn_sockets"; c=$?
+python3 - "$OUT" "$a" "$b" "$c" > "$OUT/summary.md" 2>&1 <<'PY'
+import json, os, sys
+out, rcs = sys.argv[1], sys.argv[2:]
+print("# issue 16 item 2: ring-te in megatron-cp-bench attention (2 x H200, 128k, bf16)\n")
+print("exit codes A (NVLink MHA), B (NVLink GQA 32/8), C (sockets MHA):", " ".join(rcs))
+ok = all(r == "0" for r in rcs)
+for name in ("attn_mha", "attn_gqa", "attn_sockets"):
+    path = os.path.join(out, name + ".json")
+    if not os.path.exists(path):
+        print(f"\n{name}: no result"); ok = False; continue
+    rows = json.load(open(path))["rows"]
+    by = {r["algo"]: r for r in rows}
+    print(f"\n## {name}\n\n| algo | fwd+bwd ms | x single | x torch CP | x ring-te | MB sent |\n|---|---|---|---|---|---|")
+    for r in rows:
+        f = lambda k: f"{r[k]:.3g}" if isinstance(r.get(k), float) else "-"
+        print(f"| {r['algo'][:70]} | {f('fwd_bwd_ms')} | {f('fwd_bwd_x_single')} | {f('fwd_bwd_x_torch_cp')} | "
+              f"{f('fwd_bwd_x_ring_te')} | {f('MB_sent_fwd_bwd')} |")
+    te, ring = by.get("ring-te"), by.get("ring")
+    if te is None or ring is None or te.get("fwd_bwd_x_ring_te") != 1.0:
+        print("CHECK FAILED: ring-te row or its ratio missing"); ok = False; continue
+    byte_ratio = te["MB_sent_fwd_bwd"] / ring["MB_sent_fwd_bwd"]
+    good = abs(byte_ratio - 0.75) < 1e-6
+    ok &= good
+    print(f"\nring-te / ring bytes: {byte_ratio:.4f} (expected 0.75 in bf16) {'ok' if good else 'CHECK FAILED'}")
+    if name == "attn_sockets":
+        for a in ("burst", "attention2d-no"):
+            if a in by:
+                print(f"target (issue 16, P = 2 sockets): {a} {by[a]['fwd_bwd_x_ring_te']:.3f} x ring-te (<= 0.8)")
+print("\nALL CHECKS PASSED" if ok else "\nSOME CHECKS FAILED")
+PY
+cat "$OUT/summary.md"
