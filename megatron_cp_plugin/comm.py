@@ -86,30 +86,38 @@ def kv_moves(p: int, rows: int, cols: int, row_major: bool) -> bool:
     return grid_rank(p // cols, p % cols, rows, cols, row_major) != p
 
 
+def wire_bytes(hops: int, elem: int, acc: int) -> int:
+    """Element size of a partial sum on the wire (the wire-precision policy, docs/design.md): the input
+    dtype's when it is summed once, at its owner (one hop, or an all-to-all); the accumulator's when it is
+    summed again on its way (a ring reduce-scatter of more than one hop), so no sum is rounded twice."""
+    return elem if hops <= 1 else acc
+
+
 def attention2d_bytes(*, seq_len: int, world: int, rows: int, cols: int, b: int, h: int, h_kv: int, d: int,
                       elem: int = 2, overlap: bool = False, row_major: bool = False,
                       rank: int | None = None, acc: int = 4) -> tuple[int, int]:
     """(forward, backward) bytes one rank sends in Attention2D on a rows x cols grid: the paper's Section 3.3
     per-rank costs with our choices made explicit. s = seq_len / world tokens per rank, n_q = b s h d,
-    n_kv = b s h_kv d, n_r = b h s (one accumulator per query row), e = `elem`, the accumulators (written 4
-    below: fp32) `acc` bytes (8 for fp64 inputs, as kernels.local_attn.acc_dtype); ring collectives (an all-gather or
-    reduce-scatter over g ranks sends g - 1 chunks, an all-reduce 2 (g - 1) / g of its buffer):
+    n_kv = b s h_kv d, n_r = b h s (one statistic per query row), e = `elem`, statistics (lse, D) in `acc`
+    bytes (4: fp32; 8 for fp64 inputs, as kernels.local_attn.acc_dtype); collectives as rings (an all-gather,
+    a reduce-scatter or an all-to-all over g ranks sends g - 1 chunks):
       permutation (Alg. 1 line 2, Alg. 3 line 9): 2 n_kv e each way for a rank whose K, V move (`rank`;
                  None: a rank that moves, if any does), 0 for the others
-      forward:  Q gather (C-1) n_q e; K, V gather (R-1) 2 n_kv e; AttnFix reduce-scatter of (o w, w) in fp32
-                (C-1) (n_q + n_r) 4; NO adds the row all-reduce max of lse, 2 (C-1) n_r 4
+      forward:  Q gather (C-1) n_q e; K, V gather (R-1) 2 n_kv e; AttnFix: the normalized partial outputs
+                and their lse in fp32, (C-1) (n_q + n_r) 4
       backward: Q, dO gather (C-1) 2 n_q e; D, lse (C-1) 2 n_r 4 (D replaces the paper's O); K, V gather
-                (R-1) 2 n_kv e; dQ reduce-scatter (C-1) n_q 4; dK, dV reduce-scatter (R-1) 2 n_kv 4
-    `overlap` (Attention2D-O) sends the same through rings, without the all-reduce max."""
+                (R-1) 2 n_kv e; dQ partials (C-1) n_q 4; dK, dV partials (R-1) 2 n_kv w_R
+    where w_R = `wire_bytes`: e for Attention2D-NO (an all-to-all, summed at the owner) and for Attention2D-O's
+    (`overlap`) column ring of one hop (R = 2), acc for its longer rings, which sum on the way. o and dQ
+    partials stay fp32 (docs/design.md, wire precision, rule 3)."""
     s = seq_len // world
     n_q, n_kv, n_r = b * s * h * d, b * s * h_kv * d, b * h * s
     ranks = range(world) if rank is None else [rank]
     moves = any(kv_moves(p, rows, cols, row_major) for p in ranks)
     perm = 2 * n_kv * elem if moves else 0
+    w_r = wire_bytes(rows - 1 if overlap else 1, elem, acc)
     fwd = perm + (cols - 1) * (n_q * elem + (n_q + n_r) * acc) + (rows - 1) * 2 * n_kv * elem
-    if not overlap:
-        fwd += 2 * (cols - 1) * n_r * acc
-    bwd = perm + (cols - 1) * (2 * n_q * elem + 2 * n_r * acc + n_q * acc) + (rows - 1) * 2 * n_kv * (elem + acc)
+    bwd = perm + (cols - 1) * (2 * n_q * elem + 2 * n_r * acc + n_q * acc) + (rows - 1) * 2 * n_kv * (elem + w_r)
     return fwd, bwd
 
 
@@ -202,6 +210,37 @@ def reduce_scatter(group, x: torch.Tensor, stats=None, phase="forward") -> torch
     _REDUCE_SCATTER(out.view(-1), x.contiguous().view(-1), group=group)
     _count(stats, phase, (g - 1) * out.numel() * out.element_size())
     return out
+
+
+def all_to_all(group, parts, stats=None, phase="forward") -> list[torch.Tensor]:
+    """One all-to-all of several tensors [g, ...] of any dtypes (fp32 lse beside bf16 outputs): chunk c of
+    each goes to member c; returns them with chunk c from member c (`parts` itself when group is None)."""
+    parts = [t.contiguous() for t in parts]
+    if group is None:
+        return parts
+    g = dist.get_world_size(group)
+    flat = torch.cat([t.view(g, -1).view(torch.uint8) for t in parts], dim=1)    # bytes side by side
+    out = torch.empty_like(flat)
+    dist.all_to_all_single(out, flat, group=group)
+    _count(stats, phase, (g - 1) * flat[0].numel())
+    res, at = [], 0
+    for t in parts:
+        n = t[0].numel() * t.element_size()
+        res.append(out[:, at:at + n].contiguous().view(t.dtype).view(t.shape))
+        at += n
+    return res
+
+
+def reduce_at_owner(group, x: torch.Tensor, me: int, wire: torch.dtype, stats=None, phase="backward"):
+    """Sum over members of x [g, ...] (x's dtype: the accumulator's), chunk `me` (this rank's index in the
+    group) kept: each member's partial travels once, in `wire`, and is summed here in x's dtype; the own
+    partial is never rounded. What a reduce-scatter computes, in half the bytes for bf16 partials."""
+    if group is None:
+        return x[0]
+    (got,) = all_to_all(group, [x.to(wire)], stats, phase)
+    got = got.to(x.dtype)
+    got[me] = x[me]
+    return got.sum(0)
 
 
 def all_reduce_max_(group, x: torch.Tensor, stats=None, phase="forward") -> torch.Tensor:

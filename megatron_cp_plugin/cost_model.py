@@ -27,8 +27,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from .algos import ALGORITHMS
-from .comm import attention2d_bytes, choose_grid, grid_rank, kv_moves
+from .algos import ALGORITHMS, BASELINES
+from .comm import attention2d_bytes, choose_grid, grid_rank, kv_moves, wire_bytes
 # Re-exported: `cost_model` is the one import path for the whole model (hardware, attention, decode).
 from .cost_decode import (DECODE_METHODS, GRAPH_LATENCY_RATIO, GRAPH_LAUNCH_S, LAUNCH_S,  # noqa: F401
                           DecodeProblem, choose_decode, choose_tree_variant, decode_bytes, predict_decode)
@@ -156,6 +156,8 @@ def _ring_family(algo: str, pb: Problem, hw: Hardware) -> Prediction:
     cb = B / P / hw.bwd_tflops
     if algo == "ring":                  # K, V and dK, dV (fp32)
         m_blk, m_acc = 2 * n_kv * e, 2 * n_kv * acc
+    elif algo == "ring-te":             # TransformerEngine's budget: dK, dV in the input dtype
+        m_blk, m_acc = 2 * n_kv * e, 2 * n_kv * e
     else:                               # burst: Q, dO, D, lse and dQ (fp32); K, V stay
         m_blk, m_acc = 2 * n_q * e + 2 * n_r * acc, n_q * acc
     adds = (n_q + 2 * n_kv) * ADD_BYTES / hw.mem_bw     # both add a dQ and a dK, dV block per step
@@ -196,21 +198,22 @@ def _attention2d(algo: str, pb: Problem, hw: Hardware, rank: int | None = None) 
     # Forward bytes (attention2d.py / attention2d_o.py; comm.attention2d_bytes).
     q_g = (C - 1) * n_q * e                       # Q gathered in the row
     kv_g = (R - 1) * 2 * n_kv * e                 # K, V gathered in the column
-    fix = (C - 1) * (n_q + n_r) * acc             # AttnFix reduce-scatter of (o w, w) / the o ring
+    overlap = algo == "attention2d-o"
+    w_r = wire_bytes(R - 1 if overlap else 1, e, acc)   # dK, dV partials: input dtype unless summed on the way
+    fix = (C - 1) * (n_q + n_r) * acc             # AttnFix: partial (o, lse) to their owners / the o ring
     # Backward bytes.
     qdo_g = (C - 1) * 2 * n_q * e                 # Q, dO in the row
     stat_g = (C - 1) * 2 * n_r * acc              # D, lse in the row
-    dq_rs = (C - 1) * n_q * acc                   # dQ reduce-scattered in the row
-    dkv_rs = (R - 1) * 2 * n_kv * acc             # dK, dV in the column
+    dq_rs = (C - 1) * n_q * acc                   # dQ partials to their owners in the row (fp32)
+    dkv_rs = (R - 1) * 2 * n_kv * w_r             # dK, dV in the column
     if algo == "attention2d-no":
         row = phase_link(rows, hw, p2p=False) if C > 1 else None
         col = phase_link(cols, hw, p2p=False) if R > 1 else None
-        row_ar = phase_link(rows, hw, p2p=False, collective="allreduce") if C > 1 else None
         tr = lambda n, calls=1: row.t(n, calls) if row else 0.0  # noqa: E731
         tc = lambda n, calls=1: col.t(n, calls) if col else 0.0  # noqa: E731
-        amax = 2 * (C - 1) * n_r * acc            # the row all-reduce max of lse
+        # (the all-to-alls of partials are timed as the reduce-scatters they replace: same bytes, same rings)
         fwd = (perm_t + tr(q_g) + tc(kv_g) + F / hw.fwd_tflops + C * (R - 1) * mg
-               + (row_ar.t(amax) + tr(fix) + C * n_q * ATTNFIX_BYTES / hw.mem_bw if C > 1 else 0.0))
+               + (tr(fix) + C * n_q * ATTNFIX_BYTES / hw.mem_bw if C > 1 else 0.0))
         bwd = (tr(qdo_g, 2) + tr(stat_g) + tc(kv_g) + B / hw.bwd_tflops + R * C * (add_q + add_kv)
                + tr(dq_rs) + tc(dkv_rs) + perm_t)
     else:
@@ -236,27 +239,27 @@ def _attention2d(algo: str, pb: Problem, hw: Hardware, rank: int | None = None) 
         per = c1b + add_q + add_kv
         t0 = max(chain(per, 2 * n_kv * e, 0.0), tr(blk) if C > 1 else 0.0)
         if C == 1:
-            t0 = max(t0, chain(per, 2 * n_kv * acc, 0.0))
+            t0 = max(t0, chain(per, 2 * n_kv * w_r, 0.0))
         steps = []
         for t in range(1, C):
             s_t = max(R * per, tr((blk if t + 1 < C else 0) + (n_q * acc if t >= 2 else 0)))
             if t == C - 1:
-                s_t = max(s_t, chain(per, 2 * n_kv * acc, 0.0))
+                s_t = max(s_t, chain(per, 2 * n_kv * w_r, 0.0))
             steps.append(s_t)
-        bwd = t0 + sum(steps) + tr(n_q * acc) + tc(2 * n_kv * acc) + perm_t
+        bwd = t0 + sum(steps) + tr(n_q * acc) + tc(2 * n_kv * w_r) + perm_t
     # The byte totals are comm.attention2d_bytes' (the one formula the counters are tested against); the
     # per-phase terms above only time them.
     fwd_bytes, bwd_bytes = attention2d_bytes(seq_len=pb.seq_len, world=P, rows=R, cols=C, b=pb.batch, h=pb.heads,
                                              h_kv=pb.kv_heads, d=pb.head_dim, elem=e, acc=acc,
-                                             overlap=algo == "attention2d-o", row_major=row_major, rank=rank)
+                                             overlap=overlap, row_major=row_major, rank=rank)
     return Prediction(algo, fwd, bwd, fwd_bytes, bwd_bytes, F, B, (R, C), row_major)
 
 
 # ----------------------------------------------------------------------------------------------- public
 def predict(algo: str, pb: Problem, hw: Hardware) -> Prediction:
-    """Predicted forward / backward seconds, bytes and FLOPs of `algo` (one of ALGORITHMS) on `hw`."""
-    if algo not in ALGORITHMS:
-        raise ValueError(f"algo must be one of {ALGORITHMS}, got {algo!r}")
+    """Predicted forward / backward seconds, bytes and FLOPs of `algo` (one of ALGORITHMS or BASELINES) on `hw`."""
+    if algo not in ALGORITHMS + BASELINES:
+        raise ValueError(f"algo must be one of {ALGORITHMS + BASELINES}, got {algo!r}")
     if not isinstance(pb, Problem) or not isinstance(hw, Hardware):
         raise ValueError("predict(algo, problem: Problem, hardware: Hardware)")
     if not pb.feasible(algo):
@@ -271,8 +274,8 @@ def comm_bytes(algo: str, pb: Problem, *, gpus_per_node: int | None = None, rank
     """(forward, backward) bytes one rank sends in `algo`, as its CommStats counts them. Attention2D: the grid
     is placed row-major when pb.node_aware and `gpus_per_node` (CPGrid's argument) is a multiple of C; `rank`
     picks a rank (its K, V may or may not move in the permutation), None the largest."""
-    if algo not in ALGORITHMS:
-        raise ValueError(f"algo must be one of {ALGORITHMS}, got {algo!r}")
+    if algo not in ALGORITHMS + BASELINES:
+        raise ValueError(f"algo must be one of {ALGORITHMS + BASELINES}, got {algo!r}")
     if rank is not None and not 0 <= rank < pb.world:
         raise ValueError(f"rank must be in [0, {pb.world}), got {rank}")
     hw = dataclasses.replace(HARDWARE["h200-nvlink"], gpus_per_node=gpus_per_node or 1 << 20)

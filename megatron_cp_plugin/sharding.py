@@ -22,7 +22,8 @@ import torch.distributed as dist
 
 from .comm import resolve_group
 
-LAYOUTS = {"ring": "zigzag", "burst": "zigzag", "attention2d-no": "cyclic", "attention2d-o": "cyclic"}
+LAYOUTS = {"ring": "zigzag", "burst": "zigzag", "attention2d-no": "cyclic", "attention2d-o": "cyclic",
+           "ring-te": "zigzag"}
 
 
 def layout_of(algo: str) -> str:

@@ -11,13 +11,18 @@ from ._packing import Packing
 from .attention2d import attention2d_no
 from .attention2d_o import attention2d_o
 from .burst import burst_attention
-from .ring import ring_attention
+from .ring import ring_attention, ring_te_attention
 
 _IMPLS = {"ring": ring_attention, "burst": burst_attention, "attention2d-no": attention2d_no,
           "attention2d-o": attention2d_o}
 ALGORITHMS = tuple(_IMPLS)
-assert set(ALGORITHMS) == set(LAYOUTS), "every algorithm needs its layout in sharding.LAYOUTS"
-__all__ = ["ALGORITHMS", "context_parallel_attention", "layout_of"]
+"""What users train with (--context-parallel-algo, choose_algo)."""
+BASELINES = ("ring-te",)
+"""What benchmarks compare against: `ring-te`, the ring with TransformerEngine's p2p byte budget (algos/ring.py);
+context_parallel_attention runs it too."""
+_IMPLS["ring-te"] = ring_te_attention
+assert set(_IMPLS) == set(LAYOUTS), "every algorithm needs its layout in sharding.LAYOUTS"
+__all__ = ["ALGORITHMS", "BASELINES", "context_parallel_attention", "layout_of"]
 
 
 def _check_inputs(q, k, v, algo, group, softmax_scale, backend, cu_seqlens):

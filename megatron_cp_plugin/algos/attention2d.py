@@ -8,12 +8,17 @@ Attention2D-NO forward (Alg. 1):
           the K, V tokens = i*C + j (mod P), so grid column j holds the tokens = j (mod C);
   line 3  Q is all-gathered in the grid row (C chunks), line 4 K, V in the grid column (R chunks);
   line 5  the local partial (o, lse) of the row's queries over the column's keys, with a flash kernel;
-  line 6  partials are reduce-scattered in the row back to their cyclic owners with AttnFix (Alg. 2): an
-          all-reduce max of lse in the row, rescale, then one sum reduce-scatter of (o * w, w) packed;
-  line 7  o = numerator / denominator, lse = max + log(denominator).
+  line 6  partials go back to their cyclic owners in the row in one all-to-all: each is the normalized
+          partial output with its lse, both fp32 (as decode-CP engines merge), not the paper's rescaled
+          numerators and denominators, which need a row max first (an extra all-reduce);
+  line 7  AttnFix (Alg. 2) at the owner, in fp32: m = max lse, w = exp(lse - m), o = sum w o / sum w,
+          lse = m + log(sum w).
 Attention2D-NO backward (Alg. 3): D = rowsum(dO o O) is formed by the owner and gathered in its place (O is
 never gathered), Q, dO, D, lse in rows and K, V in columns; the local block backward from the global (o, lse);
-dQ reduce-scattered in rows, dK, dV in columns (fp32), then moved back to column-major (line 9).
+dQ partials summed at their owners in the row, dK, dV in the column (lines 7-8: all-to-alls of partials summed
+in fp32 at the owner, where the paper reduce-scatters), then dK, dV move back to column-major (line 9). dK, dV
+partials travel in the input dtype, each rounded once. o and dQ partials stay fp32: both carry a component
+that the sum cancels or the backward amplifies (docs/design.md, wire precision, rule 3).
 
 Causal masks without an S x S mask: a gathered Q chunk holds tokens a + mP (a = a member's group rank), a
 K, V chunk tokens c + nP; key c + nP is visible to query a + mP iff n < m, or n == m and c <= a. So every
@@ -29,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from ..comm import CommStats, CPGrid, all_gather, all_reduce_max_, kv_moves, permute, reduce_scatter
+from ..comm import CommStats, CPGrid, all_gather, all_to_all, kv_moves, permute, reduce_at_owner
 from ..kernels.local_attn import acc_dtype, attention_delta, block_bwd, block_fwd, surrogate_out
 from ..kernels.merge import _finite, merge_
 from ._function import CPAttention
@@ -54,25 +59,22 @@ def kv_to_row_major(grid: CPGrid, x: torch.Tensor, stats=None, phase="forward", 
     return permute(grid.group, x, dst, src, stats, phase)
 
 
-def attn_fix_reduce_scatter(grid: CPGrid, o_part, lse_part, stats=None):
-    """Alg. 1 line 6-7: combine the row's C partials of every query and scatter them to their owners.
+def attn_fix_all_to_all(grid: CPGrid, o_part, lse_part, stats=None):
+    """Alg. 1 lines 6-7: send the row's C partials of every query to their owner and merge them there.
 
-    o_part [C, b, s, h, d] fp32, lse_part [C, b, h, s] (chunk c = queries of row member c) -> own (o, lse).
+    o_part [C, b, s, h, d] and lse_part [C, b, h, s] in the accumulator dtype (chunk c = queries of row member
+    c) -> this rank's (o, lse). The partials travel as they are (fp32: docs/design.md, wire precision).
     """
-    C = grid.cols
-    if C == 1:
+    me = grid.j                                                     # this rank's index in its row group
+    if grid.cols == 1:
         return o_part[0], lse_part[0]
-    m = all_reduce_max_(grid.row, lse_part.clone(), stats)          # row-wide max of each query's lse
-    m = _finite(m)
-    w = torch.exp(lse_part - m)                                     # [C, b, h, s]
-    num = o_part * w.transpose(2, 3).unsqueeze(-1)
-    buf = torch.cat([num.flatten(1), w.flatten(1)], dim=1)          # one packed reduce-scatter
-    out = reduce_scatter(grid.row, buf, stats)
-    n_o = num[0].numel()
-    num, den = out[:n_o].view_as(o_part[0]), out[n_o:].view_as(lse_part[0])
-    o = num / torch.where(den > 0, den, torch.ones_like(den)).transpose(1, 2).unsqueeze(-1)
-    lse = m[grid.j] + torch.log(den)                                # den == 0 -> -inf (no key seen)
-    return o, lse
+    o_all, lse_all = all_to_all(grid.row, [o_part, lse_part], stats)
+    m = _finite(lse_all.amax(0))                                    # AttnFix (Alg. 2), at the owner
+    w = torch.exp(lse_all - m)                                      # [C, b, h, s]
+    den = w.sum(0)
+    o = (o_all * w.transpose(2, 3).unsqueeze(-1)).sum(0)
+    o = o / torch.where(den > 0, den, torch.ones_like(den)).transpose(1, 2).unsqueeze(-1)
+    return o, m + torch.log(den)                                    # den == 0 -> -inf (no key seen)
 
 
 def _forward(grid: CPGrid, q, k, v, *, causal, scale, backend, stats=None, packing=None):
@@ -97,8 +99,8 @@ def _forward(grid: CPGrid, q, k, v, *, causal, scale, backend, stats=None, packi
                 lse_part[c].copy_(lse_b)
             else:
                 merge_(o_part[c], lse_part[c], o_b, lse_b)
-    # Lines 6-7: AttnFix reduce-scatter in the row.
-    o, lse = attn_fix_reduce_scatter(grid, o_part, lse_part, stats)
+    # Lines 6-7: the partials to their owners in the row, merged there (AttnFix).
+    o, lse = attn_fix_all_to_all(grid, o_part, lse_part, stats)
     o = o.to(q.dtype)
     return o, (q, kv, o, lse)
 
@@ -125,9 +127,9 @@ def _backward(grid: CPGrid, do, q, kv, o, lse, *, causal, scale, backend, stats=
             dq_part[c].add_(dq_b)
             dkv_part[r, 0].add_(dk_b)
             dkv_part[r, 1].add_(dv_b)
-    # Lines 7-9: dQ reduce-scattered in the row, dK, dV in the column, then back to column-major.
-    dq = reduce_scatter(grid.row, dq_part, stats, ph)
-    dkv = reduce_scatter(grid.col, dkv_part, stats, ph).to(q.dtype)
+    # Lines 7-9: dQ summed at its owner in the row, dK, dV in the column, then back to column-major.
+    dq = reduce_at_owner(grid.row, dq_part, grid.j, acc, stats, ph)      # fp32: see the module docstring
+    dkv = reduce_at_owner(grid.col, dkv_part, grid.i, q.dtype, stats, ph).to(q.dtype)
     dkv = kv_to_row_major(grid, dkv, stats, ph, inverse=True)
     return dq.to(q.dtype), dkv[0], dkv[1]
 

@@ -15,9 +15,12 @@ in its last pass CmptSctrBwd (Alg. 11) takes the K, V chunks in ring order and s
 dK, dV accumulator down the column while computing the next (the column reduce-scatter); line 9 moves dK,
 dV back to column-major. With one grid column (C = 1) the own pass is the last pass and does both.
 
-Bytes per rank (n_q = b s h d, n_kv = b s h_kv d, n_r = b h s; e = element size; accumulators fp32):
+Wire precision (docs/design.md): a dK, dV accumulator that is summed into on its way round a column ring of
+more than one hop travels in fp32; round a ring of one hop (R = 2) it is summed once, at its owner, and
+travels in the input dtype. o and dQ accumulators, lse and D always travel in fp32.
+Bytes per rank (n_q = b s h d, n_kv = b s h_kv d, n_r = b h s; e = element size; w_R = e if R = 2 else 4):
   forward  perm + (C-1) (n_q e + (n_q + n_r) 4) + (R-1) 2 n_kv e
-  backward perm + (C-1) (2 n_q e + 2 n_r 4 + n_q 4) + (R-1) 2 n_kv (e + 4)
+  backward perm + (C-1) (2 n_q e + 2 n_r 4 + n_q 4) + (R-1) 2 n_kv (e + w_R)
 where perm = 2 n_kv e when the placement moves K, V (see `comm.attention2d_bytes`).
 
 Indices (this rank is processor p_{i,j} of the R x C grid): pass t = 0 .. C-1 computes with the Q block that has
@@ -30,11 +33,16 @@ from __future__ import annotations
 
 import torch
 
-from ..comm import CommStats, CPGrid, Ring
+from ..comm import CommStats, CPGrid, Ring, wire_bytes
 from ..kernels.local_attn import acc_dtype, attention_delta, block_bwd, block_fwd, surrogate_out
 from ..kernels.merge import merge_
 from ._function import CPAttention
 from .attention2d import kv_to_row_major, pair_mask
+
+
+def _wire(q, acc, hops: int) -> torch.dtype:
+    """The dtype a partial sum travels in round a ring of `hops` hops (comm.wire_bytes)."""
+    return q.dtype if wire_bytes(hops, 2, 4) == 2 else acc
 
 
 def _rings(grid: CPGrid, phase: str, stats):
@@ -127,7 +135,7 @@ def _backward(grid: CPGrid, do, q, kv, o, lse, *, causal, scale, backend, stats=
                 if dkv_in is not None:
                     dkv_ring.wait()
                     dkv_part[kv_row].add_(dkv_in[0])
-                dkv_in = dkv_ring.send_recv((dkv_part[kv_row],))
+                dkv_in = dkv_ring.send_recv((dkv_part[kv_row].to(_wire(q, acc, R - 1)),))
             if t == 0 and u + 1 < R:                 # the next hop's chunk (grid row i - u - 1) has arrived
                 kv_ring.wait()
                 kv_chunks[(kv_row - 1) % R] = kv_next[0]

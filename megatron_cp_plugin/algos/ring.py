@@ -9,6 +9,10 @@ two overlap on GPU. Packed sequences (cu_seqlens): each step is the varlen calls
 Bytes sent per rank and call (e = element size, n_kv = b * s_local * h_kv * d, acc = 4, or 8 for fp64):
   forward  (P - 1) * 2 * n_kv * e                       (K, V)
   backward (P - 1) * 2 * n_kv * (e + acc)               (K, V; dK, dV accumulated in fp32)
+The dK, dV accumulators are summed into at every hop, so they travel in fp32 (the wire-precision policy,
+docs/design.md). `ring-te` is the same ring with TransformerEngine's p2p byte budget, the baseline users
+compare against: the travelling dK, dV in the input dtype, rounded at every hop, backward
+(P - 1) * 2 * n_kv * 2e.
 """
 from __future__ import annotations
 
@@ -48,8 +52,9 @@ def _forward(group, q, k, v, *, causal, scale, backend, stats=None, packing=None
     return o.to(q.dtype), lse
 
 
-def _backward(group, do, q, k, v, o, lse, *, causal, scale, backend, stats=None, packing=None):
-    """Gradients (dq, dk, dv) in the input dtype, from the global o, lse of this rank's query rows."""
+def _backward(group, do, q, k, v, o, lse, *, causal, scale, backend, stats=None, packing=None, wire=None):
+    """Gradients (dq, dk, dv) in the input dtype, from the global o, lse of this rank's query rows; `wire`:
+    the dtype the travelling dK, dV accumulators are sent in (None: the accumulator's)."""
     ring_kv, ring_dkv = Ring(group, "backward", stats), Ring(group, "backward", stats)
     P, r, s = ring_kv.world, ring_kv.rank, q.shape[1]
     acc = acc_dtype(q.dtype)
@@ -73,7 +78,7 @@ def _backward(group, do, q, k, v, o, lse, *, causal, scale, backend, stats=None,
             dv_acc = torch.zeros_like(dk_acc)
         else:
             ring_dkv.wait()                                     # after the compute: the transfer overlapped it
-            dk_acc, dv_acc = dkv_in
+            dk_acc, dv_acc = (t.to(acc) for t in dkv_in)
         for ks, dk_b, dv_b in dkv_blocks:
             dk_acc[:, ks].add_(dk_b)
             dv_acc[:, ks].add_(dv_b)
@@ -81,7 +86,7 @@ def _backward(group, do, q, k, v, o, lse, *, causal, scale, backend, stats=None,
             dk_own, dv_own = dk_acc, dv_acc
         else:
             # Pass it on (rank r+1 holds block src next step); receive the accumulator of the next block.
-            dkv_in = ring_dkv.send_recv((dk_acc, dv_acc))
+            dkv_in = ring_dkv.send_recv((dk_acc, dv_acc) if wire is None else (dk_acc.to(wire), dv_acc.to(wire)))
         if step + 1 < P:
             ring_kv.wait()
             kv = nxt
@@ -98,3 +103,15 @@ def ring_attention(q, k, v, *, group, causal: bool = True, softmax_scale: float,
     (`packing`: the `_packing.Packing` of a packed sequence, each document zigzagged on its own)."""
     return in_zigzag_order(packing, causal, q, k, v, lambda q, k, v: CPAttention.apply(
         q, k, v, saving_inputs(_forward), _backward, group, causal, softmax_scale, backend, comm_stats, packing))
+
+
+def _backward_te(group, do, q, k, v, o, lse, **kw):
+    return _backward(group, do, q, k, v, o, lse, wire=q.dtype, **kw)
+
+
+def ring_te_attention(q, k, v, *, group, causal: bool = True, softmax_scale: float, backend: str | None = None,
+                      comm_stats: CommStats | None = None, packing=None):
+    """`ring_attention` with TransformerEngine's p2p byte budget (dK, dV travel in the input dtype): the
+    benchmark's and cost model's `ring-te` baseline."""
+    return in_zigzag_order(packing, causal, q, k, v, lambda q, k, v: CPAttention.apply(
+        q, k, v, saving_inputs(_forward), _backward_te, group, causal, softmax_scale, backend, comm_stats, packing))
