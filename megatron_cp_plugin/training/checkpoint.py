@@ -135,11 +135,20 @@ def save_checkpoint(trainer) -> str:
         dist_checkpointing.save(_torch_dist_state(trainer, loading=False), path, content_metadata=md)
     dist.barrier()
     if dist.get_rank() == 0:
-        with open(os.path.join(path, INFO), "w") as f:
-            json.dump({**layout_of(trainer.args), "iteration": trainer.iteration}, f)
-        with open(os.path.join(args.save, TRACKER), "w") as f:
-            f.write(str(trainer.iteration))
+        _write_atomic(os.path.join(path, INFO), json.dumps({**layout_of(trainer.args), "iteration": trainer.iteration}))
+        _write_atomic(os.path.join(args.save, TRACKER), str(trainer.iteration))   # last: names a complete save
     return path
+
+
+def _write_atomic(path: str, text: str) -> None:
+    """Write `path` so that a kill at any moment leaves either its old or its new content, never a truncated
+    file (open(path, "w") empties it first): a temporary file beside it, flushed to disk, then renamed."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def checkpoint_dir(load: str) -> str:
