@@ -82,8 +82,9 @@ HARDWARE: dict[str, Hardware] = {
                             name="h200-nvlink"),
     # The same pair with NCCL over sockets (--slow-link), fitted to docs/results/cp_attention_slowlink.md: the
     # collectives' traffic moved at 3.7-4.1 GB/s, ring p2p at 2.0-2.4 GB/s (NCCL gives p2p fewer sockets).
+    # p2p_ratio refitted on all 16 figures after issue 16 dropped Attention2D's max all-reduce: 0.64 -> 0.65.
     "h200-sockets": Hardware(intra_bw=3.7e9, inter_bw=3.7e9, intra_lat=100e-6, inter_lat=100e-6, gpus_per_node=8,
-                             fwd_tflops=_CUDNN_FWD, bwd_tflops=_CUDNN_BWD, mem_bw=4.2e12, p2p_ratio=0.64,
+                             fwd_tflops=_CUDNN_FWD, bwd_tflops=_CUDNN_BWD, mem_bw=4.2e12, p2p_ratio=0.65,
                              name="h200-sockets"),
     # attention2d.txt Sec. 4.1: 4 A100 per node over PCIe, Ethernet between nodes (speeds not given: PCIe 4.0
     # x16 ~20 GB/s NCCL bus bandwidth, one 100 Gb/s NIC per node ~10 GB/s assumed); FlashAttention-2 rates.

@@ -46,9 +46,11 @@ def load_measured(path: str | os.PathLike | None = None) -> dict:
 
 
 def attention_problem(s: dict, seq_len: int) -> Problem:
-    """The Problem a measured attention set ran: bench.cp_attention places Attention2D grids column-major."""
+    """The Problem a measured attention set ran: bench.cp_attention places Attention2D grids column-major; the
+    grid is the one the set records (what ran then), else choose_grid's."""
+    grid = tuple(s["attention2d_grid"]) if s.get("attention2d_grid") else None
     return Problem(seq_len, s["world"], s["heads"], s["kv_heads"], s["head_dim"], s["batch"], s["dtype_bytes"],
-                   s["causal"], node_aware=False)
+                   s["causal"], grid=grid, node_aware=False)
 
 
 def decode_problem(s: dict, context: int) -> DecodeProblem:
