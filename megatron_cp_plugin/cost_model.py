@@ -28,6 +28,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from .algos import ALGORITHMS, BASELINES
+
+A2D = tuple(a for a in ALGORITHMS if a.startswith("attention2d"))
 from .comm import attention2d_bytes, choose_grid, grid_rank, kv_moves, wire_bytes
 # Re-exported: `cost_model` is the one import path for the whole model (hardware, attention, decode).
 from .cost_decode import (DECODE_METHODS, GRAPH_LATENCY_RATIO, GRAPH_LAUNCH_S, LAUNCH_S,  # noqa: F401
@@ -287,9 +289,38 @@ def comm_bytes(algo: str, pb: Problem, *, gpus_per_node: int | None = None, rank
     return pred.fwd_bytes, pred.bwd_bytes
 
 
+def _seconds(algo: str, pb: Problem, hw: Hardware) -> float:
+    p = predict(algo, pb, hw)
+    return p.total_s if pb.backward else p.fwd_s
+
+
+def best_grid(algo: str, problem: Problem, hardware: Hardware) -> tuple[int, int]:
+    """Attention2D's grid (R, C), R * C = P, with the smallest predicted time for `algo` on `hardware` (fwd +
+    bwd, or fwd when not problem.backward): the real bytes of each grid timed over the links they cross, not
+    the bytes alone (comm.choose_grid, used where no hardware is known). Grids within GRID_TIME_TIE of the
+    fastest count as equally fast, and of those the one sending the fewest bytes wins: where the layer is
+    compute-bound every grid predicts nearly the same time (P = 16 on 8-GPU IB nodes, 128k: all five grids
+    within 1.5%), and the model is not that precise (its NVLink errors are 2-20%). problem.grid, when set, is
+    kept."""
+    if problem.grid is not None:
+        return problem.grid
+    P = problem.world
+    preds = {g: predict(algo, dataclasses.replace(problem, grid=g), hardware)
+             for g in [(r, P // r) for r in range(1, P + 1) if P % r == 0]}
+    secs = {g: p.total_s if problem.backward else p.fwd_s for g, p in preds.items()}
+    fastest = min(secs.values())
+    near = [g for g in preds if secs[g] <= fastest * (1 + GRID_TIME_TIE)]
+    return min(near, key=lambda g: (preds[g].fwd_bytes + preds[g].bwd_bytes, secs[g]))
+
+
+GRID_TIME_TIE = 0.05
+"""Relative predicted-time difference below which best_grid prefers fewer bytes to a faster prediction."""
+
+
 def choose_algo(problem: Problem, hardware: Hardware, candidates=ALGORITHMS) -> tuple[str, dict[str, float]]:
     """The candidate with the smallest predicted time (fwd + bwd, or fwd when not problem.backward), and every
-    feasible candidate's prediction in seconds. Ties go to the earlier candidate."""
+    feasible candidate's prediction in seconds; Attention2D on its `best_grid` (the caller runs it there).
+    Ties go to the earlier candidate."""
     cands = tuple(candidates)
     if not cands:
         raise ValueError("choose_algo: candidates is empty")
@@ -299,8 +330,8 @@ def choose_algo(problem: Problem, hardware: Hardware, candidates=ALGORITHMS) -> 
     times = {}
     for a in cands:
         if problem.feasible(a):
-            p = predict(a, problem, hardware)
-            times[a] = p.total_s if problem.backward else p.fwd_s
+            pb = dataclasses.replace(problem, grid=best_grid(a, problem, hardware)) if a in A2D else problem
+            times[a] = _seconds(a, pb, hardware)
     if not times:
         raise ValueError(f"seq_len {problem.seq_len} cannot be sharded over {problem.world} ranks by any of {cands}")
     best = min(times, key=lambda a: (times[a], cands.index(a)))

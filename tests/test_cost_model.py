@@ -256,15 +256,38 @@ def test_choose_algo_picks():
         name, times = choose_algo(Problem(262144, 16, 32), hw)
         assert name.startswith("attention2d") and times[name] < 0.7 * times["ring"], (hw, times)
     assert choose_algo(Problem(262144, 16, 32), a100)[0] == "burst"
-    # GQA (h / h_kv = 4) over a slow link: ring's K, V are 4x smaller than burst's Q, dO.
-    name, times = choose_algo(Problem(131072, 4, 32, 8), HARDWARE["h200-sockets"])
-    assert name == "ring" and times["burst"] > 1.5 * times["ring"]
+    # GQA (h / h_kv = 4) over a slow link: ring's K, V are 4x smaller than burst's Q, dO; Attention2D on its
+    # fastest grid, 4 x 1 (K, V all-gathered, dK, dV partials summed at their owner in bf16, by collectives),
+    # beats ring's fp32 dK, dV ring.
+    pb = Problem(131072, 4, 32, 8)
+    name, times = choose_algo(pb, HARDWARE["h200-sockets"])
+    assert name == "attention2d-no" and cm.best_grid(name, pb, HARDWARE["h200-sockets"]) == (4, 1)
+    assert times[name] < times["ring"] < times["burst"] / 1.5
     # The fwd-only objective, the attention2d variants alone, and a length only the cyclic layout can shard.
     name, times = choose_algo(Problem(131072, 2, 16, backward=False), HARDWARE["h200-sockets"],
                               ("attention2d-no", "attention2d-o"))
     assert name == "attention2d-no" and set(times) == {"attention2d-no", "attention2d-o"}
     name, times = choose_algo(Problem(12, 4, 4), HARDWARE["h200-nvlink"])             # 12 % 8 != 0
     assert set(times) == {"attention2d-no", "attention2d-o"}
+
+
+def test_best_grid_is_the_fastest_predicted_and_prefers_bytes_in_a_tie():
+    nv, ib = HARDWARE["h200-nvlink"], HARDWARE["h100-ib"]
+    pb = Problem(131072, 4, 32, 8)                     # GQA 32/8: choose_grid's square moves 4x more Q than K, V
+    g = cm.best_grid("attention2d-no", pb, nv)
+    secs = {r: cm.predict("attention2d-no", dataclasses.replace(pb, grid=(r, 4 // r)), nv).total_s for r in (1, 2, 4)}
+    assert g == (4, 1) != mcp.choose_grid(4, h=32, h_kv=8) and secs[4] == min(secs.values())
+    assert cm.best_grid("attention2d-no", dataclasses.replace(pb, grid=(2, 2)), nv) == (2, 2)   # given: kept
+    # Compute-bound (P = 16 on 8-GPU IB nodes, 128k, MHA): every grid within 1.5%; the fewest bytes win (4 x 4),
+    # not the 1 x 16 the model happens to rate 0.3% faster with 2.7x the bytes.
+    pb = Problem(131072, 16, 32)
+    preds = {r: cm.predict("attention2d-no", dataclasses.replace(pb, grid=(r, 16 // r)), ib) for r in (1, 2, 4, 8, 16)}
+    assert max(p.total_s for p in preds.values()) < 1.02 * min(p.total_s for p in preds.values())
+    assert cm.best_grid("attention2d-no", pb, ib) == (4, 4)
+    # auto and attention2d run the algorithm on the grid its time was predicted for.
+    from megatron_cp_plugin.megatron.args import CPConfig
+    cfg = CPConfig(algo="attention2d", cp_size=4, seq_length=131072, heads=32, kv_heads=8)
+    assert cfg.algo.startswith("attention2d") and cfg.grid == (4, 1) and "grid 4x1" in cfg.choice_line()
 
 
 def test_scaling_shape():

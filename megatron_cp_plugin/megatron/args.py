@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 
 from ..algos import ALGORITHMS
-from ..cost_model import HARDWARE, Problem, choose_algo
+from ..cost_model import HARDWARE, Problem, best_grid, choose_algo
 
 A2D = tuple(a for a in ALGORITHMS if a.startswith("attention2d"))
 MODEL_CHOSEN = ("auto", "attention2d")
@@ -46,7 +46,8 @@ class CPConfig:
     cp_size: int = 1
     """Context-parallel group size (Megatron's --context-parallel-size)."""
     grid: tuple[int, int] | None = None
-    """Attention2D grid (rows, cols), rows * cols == cp_size; None: the square or byte-minimising one."""
+    """Attention2D grid (rows, cols), rows * cols == cp_size; None: the cost model's fastest when it chose the
+    algorithm (auto, attention2d), else comm.choose_grid's (the square or byte-minimising one)."""
     gpus_per_node: int | None = None
     """GPUs per node, for Attention2D's node-aware placement; None: column-major placement."""
     seq_length: int | None = None
@@ -108,7 +109,10 @@ class CPConfig:
             hw = dataclasses.replace(hw, gpus_per_node=self.gpus_per_node)
         pb = Problem(self.seq_length, self.cp_size, self.heads, self.kv_heads, self.head_dim or 128,
                      self.micro_batch, self.dtype_bytes, grid=self.grid, node_aware=self.gpus_per_node is not None)
-        return choose_algo(pb, hw, cands)
+        algo, times = choose_algo(pb, hw, cands)
+        if algo in A2D and self.grid is None:
+            self.grid = best_grid(algo, pb, hw)        # the grid its predicted time was for
+        return algo, times
 
     def choice_line(self) -> str | None:
         """One line saying what the cost model chose and its predicted times (None for a concrete --algo)."""

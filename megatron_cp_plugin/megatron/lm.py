@@ -85,6 +85,8 @@ def resolve(args):
     if cfg.requested is not None:                              # remember the choice, log it once
         args.context_parallel_algo_requested = cfg.requested
         args.context_parallel_algo = cfg.algo
+        if cfg.grid is not None and getattr(args, "cp_grid", None) is None:
+            args.cp_grid = f"{cfg.grid[0]}x{cfg.grid[1]}"       # and the grid the cost model chose with it
     return cfg
 
 
