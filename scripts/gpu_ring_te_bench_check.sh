@@ -8,32 +8,21 @@
 #      attention2d-no <= 0.8x ring-te there.
 # Checks (summary.md): every run exits 0; ring-te's row has fwd_bwd_x_ring_te = 1; ring-te sends 2/3 of ring's
 # backward bytes in bf16 (fwd+bwd MB: ring-te = 0.75 x ring).
-# Writes under $OUT: gpu_ring_te_bench_check.log, summary.md, attn_mha.{json,md}, attn_gqa.{json,md},
+# Writes under $OUT: A.log, B.log, C.log, summary.txt (steps), summary.md, attn_mha.{json,md}, attn_gqa.{json,md},
 # attn_sockets.{json,md} (PNGs are not written: matplotlib is not needed).
 set -u
-OUT=${OUT:-results/ring_te_check}; mkdir -p "$OUT"
+export OUT=${OUT:-results/ring_te_check}
+BUDGET=${BUDGET:-400}
 if [ -d .whl ] && ! python3 -c "import megatron.core" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
-export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 MPLBACKEND=Agg PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
-LOG=$OUT/gpu_ring_te_bench_check.log; : > "$LOG"
-BUDGET=${BUDGET:-400}
-run() {                                   # run NAME CAP_SECONDS CMD...: log it, bounded by the budget
-  local name=$1 cap=$2; shift 2
-  local left=$((BUDGET - SECONDS)); local t=$(( cap < left ? cap : left ))
-  if [ "$left" -lt 30 ]; then echo "== $name: skipped, $left s of the budget left" | tee -a "$LOG"; return 1; fi
-  echo "== $name (timeout $t s): $*" | tee -a "$LOG"
-  timeout -k 10 "$t" "$@" >> "$LOG" 2>&1; local rc=$?
-  echo "== $name: exit $rc after ${SECONDS} s" | tee -a "$LOG"; return $rc
-}
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader >> "$LOG" 2>&1
-python3 -c "import transformer_engine; print('transformer_engine', transformer_engine.__version__)" >> "$LOG" 2>&1 \
-  || echo "transformer_engine: not importable (te-p2p will be 'not run')" >> "$LOG"
+source "$(dirname "$0")/gpu_steps.sh"
+python3 -c "import transformer_engine; print('transformer_engine', transformer_engine.__version__)" >> "$OUT/summary.txt" 2>&1 \
+  || echo "transformer_engine: not importable (te-p2p will be 'not run')" >> "$OUT/summary.txt"
 B="torchrun --nproc-per-node 2 -m megatron_cp_plugin.bench attention --seq 131072"
-run A 150 $B --heads 16 --warmup 2 --iters 5 --out "$OUT/attn_mha"; a=$?
-run B 120 $B --heads 32 --kv-heads 8 --warmup 2 --iters 5 --anchors te-p2p --out "$OUT/attn_gqa"; b=$?
-run C 150 $B --heads 16 --warmup 1 --iters 3 --slow-link --anchors te-p2p \
-  --out "$OUT/attn_sockets"; c=$?
+step A 150 $B --heads 16 --warmup 2 --iters 5 --out "$OUT/attn_mha"; a=$?
+step B 120 $B --heads 32 --kv-heads 8 --warmup 2 --iters 5 --anchors te-p2p --out "$OUT/attn_gqa"; b=$?
+step C 150 $B --heads 16 --warmup 1 --iters 3 --slow-link --anchors te-p2p --out "$OUT/attn_sockets"; c=$?
 python3 - "$OUT" "$a" "$b" "$c" > "$OUT/summary.md" 2>&1 <<'PY'
 import json, os, sys
 out, rcs = sys.argv[1], sys.argv[2:]

@@ -8,9 +8,10 @@ status=0
 step() {  # step NAME MAX_S CMD...: run CMD, output to $OUT/NAME.log, within MAX_S and what is left of BUDGET
   local name=$1 limit=$2 start=$SECONDS rc; shift 2
   local left=$((BUDGET - SECONDS)); [ "$left" -lt "$limit" ] && limit=$left
-  if [ "$limit" -lt 30 ]; then echo "$name: skipped, out of time: $*" | tee -a "$OUT/summary.txt"; status=1; return; fi
+  if [ "$limit" -lt 30 ]; then echo "$name: skipped, out of time: $*" | tee -a "$OUT/summary.txt"; status=1; return 1; fi
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; rc=$?
   echo "$name: rc=$rc, $((SECONDS - start)) s (limit $limit): $*" | tee -a "$OUT/summary.txt"
   [ "$rc" = 0 ] || status=1
+  return "$rc"
 }
 echo "GPUs: $GPUS" | tee -a "$OUT/summary.txt"
