@@ -88,8 +88,13 @@ CASES = [(w, a) for a in ("ring", "burst") for w in WORLD_SIZES] + [(w, "ring-te
     (w, a) for a in mcp.ALGORITHMS if a.startswith("attention2d") for w in GRID_WORLD_SIZES]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("world,algo", CASES)
+# fp32 at every P; bf16 up to P = 6: bf16 changes the payloads' dtype, not the communication pattern, and the
+# two largest grids in bf16 cost 30 s of CI time for nothing P <= 6 does not exercise.
+DTYPE_CASES = [pytest.param(w, a, torch.float32, id=f"{w}-{a}-fp32") for w, a in CASES] + [
+    pytest.param(w, a, torch.bfloat16, id=f"{w}-{a}-bf16") for w, a in CASES if w <= 6]
+
+
+@pytest.mark.parametrize("world,algo,dtype", DTYPE_CASES)
 def test_matches_fp64_reference(pools, world, algo, dtype):
     assert all(pools(world).run(_cases, algo, dtype, timeout=120))
 

@@ -30,27 +30,27 @@ def _losses(path):
 @pytest.fixture(scope="module")
 def cp1_losses(tmp_path_factory):
     log = tmp_path_factory.mktemp("cp1") / "log.jsonl"
-    _pretrain("--train-iters", "20", "--log-json", str(log))
+    _pretrain("--train-iters", "12", "--log-json", str(log))
     return _losses(log)
 
 
-def test_attention2d_cp4_tracks_cp1_for_20_steps(cp1_losses, tmp_path):
+def test_attention2d_cp4_tracks_cp1_for_12_steps(cp1_losses, tmp_path):
     log = tmp_path / "log.jsonl"
-    _pretrain("--train-iters", "20", "--context-parallel-algo", "attention2d", "--log-json", str(log), nproc=4)
+    _pretrain("--train-iters", "12", "--context-parallel-algo", "attention2d", "--log-json", str(log), nproc=4)
     cp4 = _losses(log)
-    assert len(cp4) == len(cp1_losses) == 20
+    assert len(cp4) == len(cp1_losses) == 12
     assert max(abs(a - b) for a, b in zip(cp4, cp1_losses)) <= 1e-4, list(zip(cp4, cp1_losses))
     assert cp4[-1] < cp4[0]                                        # it learns
 
 
-def test_resume_from_step_10_gives_the_same_losses(cp1_losses, tmp_path):
+def test_resume_from_step_6_gives_the_same_losses(cp1_losses, tmp_path):
     ckpt, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
-    flags = ["--context-parallel-algo", "ring", "--save", str(ckpt), "--save-interval", "10"]
-    _pretrain("--train-iters", "20", "--exit-interval", "10", *flags, "--log-json", str(log), nproc=2)
-    assert (ckpt / "iter_0000010").is_dir()
-    _pretrain("--train-iters", "20", *flags, "--load", str(ckpt), "--log-json", str(log), nproc=2)
+    flags = ["--context-parallel-algo", "ring", "--save", str(ckpt), "--save-interval", "6"]
+    _pretrain("--train-iters", "12", "--exit-interval", "6", *flags, "--log-json", str(log), nproc=2)
+    assert (ckpt / "iter_0000006").is_dir()
+    _pretrain("--train-iters", "12", *flags, "--load", str(ckpt), "--log-json", str(log), nproc=2)
     losses = _losses(log)
-    assert len(losses) == 20
+    assert len(losses) == 12
     assert max(abs(a - b) for a, b in zip(losses, cp1_losses)) <= 1e-4, list(zip(losses, cp1_losses))
 
 
@@ -194,7 +194,10 @@ def test_generate_cli_from_checkpoint_same_tokens_cp1_and_cp2(tmp_path):
 
 # --reset-attention-mask --reset-position-ids: EOD-separated documents packed per micro-batch. Every run pads
 # documents to the same --document-unit (8 = 2 x CP 4), so CP = 1, 2 and 4 train on the same batches.
-PACKED = ["--reset-attention-mask", "--reset-position-ids", "--document-unit", "8", "--train-iters", "3"]
+# The byte vocabulary unpadded (257 rows): the differences test_packed_losses_differ_from_unpacked checks were
+# measured on that model (with 384 rows the third step's differ by 4e-4 only).
+PACKED = ["--reset-attention-mask", "--reset-position-ids", "--document-unit", "8", "--train-iters", "3",
+          "--make-vocab-size-divisible-by", "1"]
 
 
 @pytest.fixture(scope="module")
@@ -230,7 +233,7 @@ def test_packed_losses_differ_from_unpacked(eod_corpus, tmp_path):
     prefix, packed = eod_corpus
     log = tmp_path / "log.jsonl"
     _pretrain("--data-path", str(prefix), "--train-iters", "3", "--context-parallel-algo", "ring",
-              "--log-json", str(log), cwd=tmp_path)
+              "--make-vocab-size-divisible-by", "1", "--log-json", str(log), cwd=tmp_path)
     unpacked = _losses(log)
     # Attention that stops at EODs and positions that restart give other losses (at random initialisation the
     # first step's differ little: attention is nearly uniform there).
