@@ -156,7 +156,7 @@ def _generate(args) -> None:
 
 
 def main(argv=None) -> None:
-    launch(_args(argv), _generate)
+    launch(_args(argv), _generate, prog="megatron-cp-generate")
 
 
 if __name__ == "__main__":
