@@ -68,6 +68,21 @@ def test_resumed_run_equals_uninterrupted_run_bit_for_bit(tmp_path, layout):
     assert r.returncode != 0 and "iter " not in r.stdout
     assert "--use-distributed-optimizer" in r.stderr and "--use-megatron-fsdp" in r.stderr, r.stderr[-3000:]
 
+    if "--use-megatron-fsdp" in layout:
+        # megatron-cp-generate --load of the fsdp_dtensor checkpoint (bf16 run, fp32 main weights in DCP): model
+        # arguments and weights come from it, the same tokens at CP = 1 and 2, other tokens from iteration 3 (the
+        # weights are read, not left at their seeded initialisation). torch_dist: tests/test_pretrain.py.
+        last = _generated(ref, 1)
+        assert _generated(ref, 2) == last and _generated(start, 1) != last
+
+
+def _generated(ckpt, nproc):
+    r = subprocess.run([sys.executable, "-W", "ignore", "-m", "megatron_cp_plugin.inference.cli", "--nproc", str(nproc),
+                        "--load", str(ckpt), "--prompt", "Once upon a time!", "--max-new-tokens", "8",
+                        "--context-parallel-algo", "ring"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return next(x for x in r.stdout.splitlines() if x.startswith("tokens:"))
+
 
 def test_save_onto_a_checkpoint_is_refused_unless_resumed_or_overwrite(tmp_path):
     from megatron_cp_plugin.training.checkpoint import check_save_dir

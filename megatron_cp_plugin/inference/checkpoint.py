@@ -1,4 +1,9 @@
-"""The model arguments of a `megatron-cp-pretrain` checkpoint, so that generation needs no model flags.
+"""The model arguments and weights of a `megatron-cp-pretrain` checkpoint, so that generation needs no model flags.
+
+Both formats the trainer writes (training/checkpoint.py): megatron-core's dist_checkpointing ("torch_dist", DDP
+with or without the distributed optimizer) and torch.distributed.checkpoint of Megatron-FSDP's DTensors
+("fsdp_dtensor": keys "model.module.<name>", fp32 main weights, "model_args.<name>"); the checkpoint's
+megatron_cp_plugin.json names its format.
 
 A checkpoint states its own shape: the common state's `model_args` when the trainer recorded them (the
 `MODEL_ARGS` names below), otherwise the global shapes of its tensors (dist_checkpointing metadata): layers,
@@ -9,6 +14,7 @@ checkpoint is an error naming the flag.
 """
 from __future__ import annotations
 
+import json
 import os
 
 MODEL_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
@@ -28,11 +34,36 @@ def checkpoint_path(load: str) -> str:
         return os.path.join(load, f"iter_{int(f.read().strip()):07d}")
 
 
+def checkpoint_format(path: str) -> str:
+    """"fsdp_dtensor" or "torch_dist": what megatron_cp_plugin.json says, else what the files say (only
+    dist_checkpointing writes metadata.json)."""
+    info = os.path.join(path, "megatron_cp_plugin.json")
+    if os.path.exists(info):
+        with open(info) as f:
+            return json.load(f).get("format", "torch_dist")
+    return "torch_dist" if os.path.exists(os.path.join(path, "metadata.json")) else "fsdp_dtensor"
+
+
+def _fsdp_keys(path: str) -> dict:
+    from torch.distributed.checkpoint import FileSystemReader
+    return FileSystemReader(path).read_metadata().state_dict_metadata
+
+
+def _dcp_load(state: dict, path: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    dcp.load(state, checkpoint_id=path, no_dist=True)        # every rank reads what it needs, no collective
+
+
 def model_args_of(path: str) -> dict:
     """{MODEL_ARGS name: value} recorded in or read off the checkpoint at `path`; '_qkv_rows' when the head
     counts had to stay unknown."""
     from megatron.core import dist_checkpointing
 
+    if checkpoint_format(path) == "fsdp_dtensor":              # the trainer always records them there
+        names = [k.split(".", 1)[1] for k in _fsdp_keys(path) if k.startswith("model_args.")]
+        state = {"model_args": dict.fromkeys(names, 0)}
+        _dcp_load(state, path)
+        return {k: v for k, v in state["model_args"].items() if k in MODEL_ARGS}
     common = dist_checkpointing.load_common_state_dict(path)
     if isinstance(common, dict) and isinstance(common.get("model_args"), dict):
         return {k: v for k, v in common["model_args"].items() if k in MODEL_ARGS}
@@ -75,3 +106,33 @@ def set_unless_given(args, given: set[str], defaults: dict) -> None:
     for name in MODEL_ARGS:
         if name not in given:
             setattr(args, name, defaults.get(name))
+
+
+def load_weights(model, path: str, tp_size: int = 1) -> None:
+    """Load the checkpoint's weights into `model` (a GPTModel built with the checkpoint's model arguments)."""
+    import torch
+
+    if checkpoint_format(path) != "fsdp_dtensor":
+        from megatron.core import dist_checkpointing
+        loaded = dist_checkpointing.load({"model": model.sharded_state_dict(prefix="model.")}, path)
+        model.load_state_dict(loaded["model"], strict=False)
+        return
+    if tp_size != 1:
+        raise ValueError(f"--tensor-model-parallel-size {tp_size}: a Megatron-FSDP checkpoint ({path}) is loaded "
+                         "for generation at TP = 1 only")
+    saved = _fsdp_keys(path)
+    params = dict(model.named_parameters())
+    missing = [n for n in params if f"model.module.{n}" not in saved]
+    if missing:
+        raise ValueError(f"--load: {path} has no weights for {', '.join(missing[:3])}"
+                         f"{' ...' if len(missing) > 3 else ''} (not a checkpoint of this model)")
+    # the fp32 main weights, read into fp32 buffers of the saved shapes, then copied in the model's dtype
+    state = {"model": {f"module.{n}": torch.empty(tuple(saved[f"model.module.{n}"].size), dtype=torch.float32)
+                       for n in params}}
+    _dcp_load(state, path)
+    with torch.no_grad():
+        for n, p in params.items():
+            w = state["model"][f"module.{n}"]
+            if w.shape != p.shape:
+                raise ValueError(f"--load: {path}: {n} has shape {tuple(w.shape)}, the model {tuple(p.shape)}")
+            p.copy_(w)

@@ -24,7 +24,8 @@ import torch.distributed as dist
 
 from ..training.config import build_parser, parse_with_configs, transformer_config, validate_args
 from ..training.launch import launch
-from .checkpoint import MODEL_ARGS, apply_model_args, checkpoint_path, model_args_of, set_unless_given
+from .checkpoint import (MODEL_ARGS, apply_model_args, checkpoint_format, checkpoint_path, load_weights, model_args_of,
+                         set_unless_given)
 
 
 def _args(argv=None):
@@ -57,7 +58,11 @@ def _args(argv=None):
     given = {name for name in MODEL_ARGS if getattr(args, name) is not None}
     try:
         if args.load:
-            apply_model_args(args, model_args_of(checkpoint_path(args.load)), given, defaults)
+            path = checkpoint_path(args.load)
+            apply_model_args(args, model_args_of(path), given, defaults)
+            if checkpoint_format(path) == "fsdp_dtensor" and args.tensor_model_parallel_size != 1:
+                raise ValueError(f"--tensor-model-parallel-size {args.tensor_model_parallel_size}: a Megatron-FSDP "
+                                 f"checkpoint ({path}) is loaded for generation at TP = 1 only")
         else:
             set_unless_given(args, given, defaults)
     except ValueError as e:                        # one line naming the flag, before any process starts
@@ -80,7 +85,6 @@ def _prompt_ids(args, tok) -> list[int]:
 
 
 def _generate(args) -> None:
-    from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
     from ..megatron.model import build_gpt
@@ -111,9 +115,7 @@ def _generate(args) -> None:
     model = build_gpt(transformer_config(args, gpu), cp_cfg, vocab_size=rows,
                       seq_length=args.max_position_embeddings or args.seq_length, cp_group=cp_group).to(device)
     if args.load:
-        loaded = dist_checkpointing.load({"model": model.sharded_state_dict(prefix="model.")},
-                                         checkpoint_path(args.load))
-        model.load_state_dict(loaded["model"], strict=False)
+        load_weights(model, checkpoint_path(args.load), args.tensor_model_parallel_size)
     P = cp_group.size()
     dec = StaticDecoder(model, cp_group, batch=args.batch_size, capacity=-(-(len(ids) + args.max_new_tokens) // P),
                         decoder=args.decoder, variant=args.decode_variant, graphed=graphed,
