@@ -178,11 +178,10 @@ class CPGrid:
 
 
 # ----------------------------------------------------------------------------------------------- collectives
-# Byte counts are what one rank sends under ring algorithms (what NCCL uses at these sizes): an all-gather or
-# a reduce-scatter among g ranks sends (g - 1) chunks, an all-reduce 2 (g - 1) / g of the buffer.
-# torch 2.13 renamed the tensor collectives (*_single); 2.11 (the GPU image) has only the old names.
+# Byte counts are what one rank sends: an all-gather (as a ring, what NCCL uses at these sizes) or an all-to-all
+# among g ranks sends (g - 1) chunks; a permutation step one chunk, or none for a rank that keeps its own.
+# torch 2.13 renamed all_gather_into_tensor (all_gather_single); 2.11 (the GPU image) has only the old name.
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _count(stats, phase, nbytes):
@@ -198,17 +197,6 @@ def all_gather(group, x: torch.Tensor, stats=None, phase="forward") -> torch.Ten
     out = torch.empty((g,) + tuple(x.shape), dtype=x.dtype, device=x.device)
     _ALL_GATHER(out.view(-1), x.contiguous().view(-1), group=group)   # 1-D: gloo wants that
     _count(stats, phase, (g - 1) * x.numel() * x.element_size())
-    return out
-
-
-def reduce_scatter(group, x: torch.Tensor, stats=None, phase="forward") -> torch.Tensor:
-    """Sum over members of x [g, ...] and keep chunk `rank`: [...] (x[0] when group is None)."""
-    if group is None:
-        return x[0]
-    g = dist.get_world_size(group)
-    out = torch.empty(x.shape[1:], dtype=x.dtype, device=x.device)
-    _REDUCE_SCATTER(out.view(-1), x.contiguous().view(-1), group=group)
-    _count(stats, phase, (g - 1) * out.numel() * out.element_size())
     return out
 
 
@@ -241,14 +229,6 @@ def reduce_at_owner(group, x: torch.Tensor, me: int, wire: torch.dtype, stats=No
     got = got.to(x.dtype)
     got[me] = x[me]
     return got.sum(0)
-
-
-def all_reduce_max_(group, x: torch.Tensor, stats=None, phase="forward") -> torch.Tensor:
-    if group is not None:
-        g = dist.get_world_size(group)
-        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
-        _count(stats, phase, 2 * (g - 1) * x.numel() * x.element_size() // g)
-    return x
 
 
 def permute(group, x: torch.Tensor, send_to: int, recv_from: int, stats=None, phase="forward") -> torch.Tensor:
