@@ -179,3 +179,23 @@ def test_top_p_sampling_draws_the_nucleus_distribution():
     assert 0 < u.min() and u.max() < 1 and abs(u.mean().item() - 0.5) < 0.01 and len(u.unique()) > 190000
     assert torch.equal(sample(logits[None], temperature=0.0, top_p=1.0, seed=0, key=torch.tensor([0])),
                        torch.tensor([0]))
+
+
+def test_cache_padding_is_zero_so_masked_slots_cannot_poison_the_output(monkeypatch):
+    """The ring-decode baseline attends over whole padded shards: a masked slot still enters P V as 0 x V, and
+    0 x NaN = NaN. Uninitialised memory holding a NaN pattern flipped greedy tokens on CI (P = 3); here every
+    new_empty allocation is poisoned with NaN, so the cache must not take its padding from one."""
+    from megatron_cp_plugin.inference.generate import KVShard
+    from megatron_cp_plugin.kernels.local_attn import decode_fwd
+    real = torch.Tensor.new_empty
+    monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, *a, **kw: real(self, *a, **kw).fill_(float("nan")))
+    g = torch.Generator().manual_seed(0)
+    k, v, q = (torch.randn(2, n, 2, 8, generator=g, dtype=torch.float64) for n in (3, 3, 1))
+    shard = KVShard(k, v, torch.arange(3).expand(2, 3), capacity=4)
+    shard.push(k[:, :1], v[:, :1], 3)
+    ck, cv, cpos = shard.view(7)                   # grown past the capacity: 3 padding slots
+    assert (cpos[:, 4:] == -1).all() and torch.isfinite(ck).all() and torch.isfinite(cv).all()
+    o, lse = decode_fwd(q, ck, cv, kv_positions=cpos)
+    o_ref, lse_ref = decode_fwd(q, ck[:, :4], cv[:, :4])
+    torch.testing.assert_close(o, o_ref)
+    torch.testing.assert_close(lse, lse_ref)

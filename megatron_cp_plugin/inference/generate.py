@@ -28,8 +28,11 @@ class KVShard:
     def __init__(self, k, v, pos, capacity: int):
         b, s, h_kv, d = k.shape
         capacity = max(capacity, s, 1)
-        self.k = k.new_empty(b, capacity, h_kv, d)
-        self.v = v.new_empty(b, capacity, h_kv, d)
+        # Zeros, not new_empty: the ring-decode baseline attends over whole padded shards, and a masked slot
+        # still enters P V as 0 x V, which is NaN when the uninitialised memory holds a NaN pattern (it
+        # flipped greedy tokens at P = 3 on CI's CPU).
+        self.k = k.new_zeros(b, capacity, h_kv, d)
+        self.v = v.new_zeros(b, capacity, h_kv, d)
         self.pos = torch.full((b, capacity), -1, dtype=torch.long, device=k.device)
         self.k[:, :s], self.v[:, :s], self.pos[:, :s] = k, v, pos
         self.n = s
@@ -38,7 +41,7 @@ class KVShard:
         if n > self.k.shape[1]:
             cap = max(n, 2 * self.k.shape[1])
             old = (self.k, self.v, self.pos)
-            self.k, self.v = (x.new_empty(x.shape[0], cap, *x.shape[2:]) for x in old[:2])
+            self.k, self.v = (x.new_zeros(x.shape[0], cap, *x.shape[2:]) for x in old[:2])
             self.pos = torch.full((old[2].shape[0], cap), -1, dtype=torch.long, device=old[2].device)
             for new, o in zip((self.k, self.v, self.pos), old):
                 new[:, :self.n] = o[:, :self.n]
