@@ -52,6 +52,17 @@ def test_resume_from_step_6_gives_the_same_losses(cp1_losses, tmp_path):
     losses = _losses(log)
     assert len(losses) == 12
     assert max(abs(a - b) for a, b in zip(losses, cp1_losses)) <= 1e-4, list(zip(losses, cp1_losses))
+    # megatron-cp-generate --load of the torch_dist checkpoint: the same tokens at CP = 1 and 2 (Megatron-FSDP's
+    # fsdp_dtensor checkpoints: tests/test_checkpoint.py).
+    outs = []
+    for n in (1, 2):
+        r = subprocess.run([sys.executable, "-W", "ignore", "-m", "megatron_cp_plugin.inference.cli", "--nproc", str(n),
+                            *TINY, "--load", str(ckpt), "--prompt", "Once upon a time!", "--max-new-tokens", "8"],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "latency:" in r.stdout
+        outs.append(next(x for x in r.stdout.splitlines() if x.startswith("tokens:")))
+    assert outs[0] == outs[1]
 
 
 @pytest.fixture(scope="module")
@@ -76,32 +87,25 @@ def test_megatron_fsdp_with_every_algorithm_tracks_cp1(cp1_short, tmp_path, algo
     assert max(abs(a - b) for a, b in zip(losses, cp1_short)) <= 1e-4, list(zip(losses, cp1_short))
 
 
-def test_trains_on_preprocessed_bin_idx(tmp_path):
-    text = tmp_path / "corpus.txt"
-    text.write_text("\n".join(f"document {i}: the quick brown fox jumps over the lazy dog " * 3 for i in range(200)))
-    prefix = tmp_path / "corpus"
-    r = subprocess.run([sys.executable, "-m", "megatron_cp_plugin.megatron.preprocess", "--input", str(text),
-                        "--output-prefix", str(prefix)], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    log = tmp_path / "log.jsonl"
-    _pretrain("--train-iters", "8", "--data-path", str(prefix), "--context-parallel-algo", "burst", "--save",
-              str(tmp_path / "ckpt"), "--eval-interval", "4", "--log-json", str(log), nproc=2)
-    losses = _losses(log)
-    assert len(losses) == 8 and losses[-1] < losses[0]
-
-
-def test_a_rewritten_corpus_does_not_reuse_stale_indexes(tmp_path):
-    """Issue 15 item 8: preprocess to a prefix, train; preprocess a smaller corpus to the same prefix, train
-    again from another directory: the index cache is keyed on the data files, not reused (was an IndexError)."""
+def test_trains_on_preprocessed_bin_idx_and_a_rewritten_corpus_does_not_reuse_stale_indexes(tmp_path):
+    """Preprocess to a prefix and train on it (CP 2, with evaluation); preprocess a smaller corpus to the same prefix
+    and train again: the index cache is keyed on the data files, not reused (issue 15 item 8: an IndexError)."""
     prefix = tmp_path / "corpus"
     for n in (300, 40):
         text = tmp_path / f"corpus{n}.txt"
-        text.write_text("\n".join(f"doc {i}: the quick brown fox jumps over the lazy dog" for i in range(n)))
+        text.write_text("\n".join(f"document {i}: the quick brown fox jumps over the lazy dog " * 3 for i in range(n)))
         r = subprocess.run([sys.executable, "-m", "megatron_cp_plugin.megatron.preprocess", "--input", str(text),
                             "--output-prefix", str(prefix)], capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr
-        _pretrain("--train-iters", "3", "--data-path", str(prefix), "--context-parallel-algo", "ring", nproc=1,
-                  cwd=str(tmp_path))
+        if n == 300:
+            log = tmp_path / "log.jsonl"
+            _pretrain("--train-iters", "8", "--data-path", str(prefix), "--context-parallel-algo", "burst",
+                      "--eval-interval", "4", "--log-json", str(log), nproc=2, cwd=str(tmp_path))
+            losses = _losses(log)
+            assert len(losses) == 8 and losses[-1] < losses[0]
+        else:
+            _pretrain("--train-iters", "3", "--data-path", str(prefix), "--context-parallel-algo", "ring", nproc=1,
+                      cwd=str(tmp_path))
     caches = list((tmp_path / ".index_cache").iterdir())
     assert len(caches) == 2                                         # one per version of the files, beside them
 
@@ -114,12 +118,36 @@ def test_a_rewritten_corpus_does_not_reuse_stale_indexes(tmp_path):
     (["--data-parallel-sharding-strategy", "optim"], "--use-megatron-fsdp"),
     (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "no_shard"], "no_shard"),
 ])
-def test_bad_flags_fail_at_start_up_on_every_rank(flags, needle):
-    r = _pretrain(*flags, "--train-iters", "2", nproc=2, timeout=120, check=False)
-    assert r.returncode != 0
-    failed = [line for line in r.stderr.splitlines() if line.startswith("[rank")]
-    assert len(failed) >= 1 and needle in r.stderr, r.stderr[-3000:]
-    assert "iter " not in r.stdout                                  # nothing trained
+def test_bad_flags_that_need_the_world_size_are_found_before_any_process_group(flags, needle):
+    from megatron_cp_plugin.training.config import parse_args, validate_args
+
+    args = parse_args([*TINY, *flags, "--train-iters", "2", "--nproc", "2"])
+    with pytest.raises(ValueError, match=needle):
+        validate_args(args, world=2)       # what the launcher (training.launch.check_world) runs, and every rank
+
+
+def test_the_launcher_reports_a_world_size_flag_in_one_line_and_records_the_failure(tmp_path):
+    res = tmp_path / "result.json"
+    r = _pretrain("--cp-grid", "3x1", "--train-iters", "2", "--result-json", str(res), nproc=2, timeout=120,
+                  check=False)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("megatron-cp-pretrain: error: "), r.stderr
+    assert "--cp-grid" in lines[0] and "[rank" not in r.stderr and "iter " not in r.stdout   # no rank started
+    record = json.loads(res.read_text())
+    assert record["status"] == "failed" and record["exit_code"] == 2 and "--cp-grid" in record["error"]
+
+
+def test_under_torchrun_each_rank_checks_before_its_process_group():
+    """Ranks started by torchrun or SLURM (RANK, WORLD_SIZE set) check the world-size flags before joining a
+    process group: rank 1 of 2 alone, with no peer and no rendezvous, exits 2 at once, silently (rank 0 says it)."""
+    env = {**os.environ, "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": "1"}
+    r = subprocess.run([sys.executable, "-W", "ignore", "-m", "megatron_cp_plugin.pretrain", *TINY, "--cp-grid", "3x1",
+                        "--train-iters", "2"], capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 2 and r.stderr.strip() == "" and "iter " not in r.stdout, r.stderr[-3000:]
+    r = subprocess.run([sys.executable, "-W", "ignore", "-m", "megatron_cp_plugin.pretrain", *TINY, "--cp-grid", "3x1",
+                        "--train-iters", "2"], capture_output=True, text=True, timeout=60, env={**env, "RANK": "0"})
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [r.stderr.strip()] and "--cp-grid" in r.stderr
 
 
 def test_tensor_parallel_pads_the_vocabulary_and_counts_the_models_parameters(tmp_path):
@@ -175,21 +203,6 @@ def test_killed_rank_ends_the_job_nonzero_within_60s(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-
-
-def test_generate_cli_from_checkpoint_same_tokens_cp1_and_cp2(tmp_path):
-    ckpt = tmp_path / "ckpt"
-    _pretrain("--train-iters", "3", "--save", str(ckpt), nproc=2)
-    outs = []
-    for n in (1, 2):
-        r = subprocess.run([sys.executable, "-W", "ignore", "-m", "megatron_cp_plugin.inference.cli", "--nproc", str(n),
-                            *TINY, "--load", str(ckpt), "--prompt", "Once upon a time!", "--max-new-tokens", "8"],
-                           capture_output=True, text=True, timeout=300)
-        assert r.returncode == 0, r.stderr[-3000:]
-        line = next(x for x in r.stdout.splitlines() if x.startswith("tokens:"))
-        assert "latency:" in r.stdout
-        outs.append(line)
-    assert outs[0] == outs[1]
 
 
 # --reset-attention-mask --reset-position-ids: EOD-separated documents packed per micro-batch. Every run pads

@@ -90,6 +90,35 @@ def launch(args, target, prog: str = "megatron-cp-pretrain") -> None:
         os._exit(status)          # nothing of ours is left to clean up; skip multiprocessing's atexit joins
 
 
+def _train(args):
+    """training.loop.train, imported in the rank: the launching process never imports megatron-core."""
+    from .loop import train
+    return train(args)
+
+
+def check_world(args) -> None:
+    """The start-up checks that need the world size (validate_args) or read the checkpoint directories (--save,
+    --load), run before any process group exists: in the launching process for --nproc, or in each torchrun /
+    SLURM rank before its first collective. A bad flag ends the job with one line (rank 0's; the other ranks
+    exit 2 silently) and a failed --result-json. train() repeats them (it may be called without main())."""
+    import copy
+
+    from .checkpoint import check_resumable, check_save_dir
+    from .config import validate_args
+    world = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else (args.nproc or 1)
+    try:
+        checked = copy.deepcopy(args)
+        validate_args(checked, world)
+        check_save_dir(checked)
+        if checked.load:
+            check_resumable(checked)
+    except ValueError as e:
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"megatron-cp-pretrain: error: {e}", file=sys.stderr)
+            write_record(args, "failed", str(e), exit_code=2)
+        sys.exit(2)
+
+
 def compare_cp1(argv: list[str], args) -> None:
     """Run CP = 1 and then the requested run as subprocesses; print their losses side by side."""
     import json
@@ -120,7 +149,6 @@ def compare_cp1(argv: list[str], args) -> None:
 def main(argv=None) -> None:
     """megatron-cp-pretrain."""
     from .config import launch_errors, parse_args
-    from .loop import train
 
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv, description=_DOC)
@@ -129,10 +157,11 @@ def main(argv=None) -> None:
         for line in errors:
             print(f"megatron-cp-pretrain: error: {line}", file=sys.stderr)
         sys.exit(2)
+    check_world(args)
     if args.compare_cp1 and "RANK" not in os.environ:
         compare_cp1(argv, args)
         return
-    launch(args, train)
+    launch(args, _train)
 
 
 _DOC = """GPT pretraining with context-parallel attention: `megatron-cp-pretrain` / `python -m megatron_cp_plugin.pretrain`.

@@ -74,8 +74,10 @@ def start_record(args, world: int, cp_cfg, device, n_params: int, vocab: int, fl
     return _RESULT
 
 
-def write_record(args, status: str, error: str | None = None, peak_mem_gb: float | None = None) -> None:
-    """Rank 0 writes the run record with its timing summary and exit status (ok | failed)."""
+def write_record(args, status: str, error: str | None = None, peak_mem_gb: float | None = None,
+                 exit_code: int | None = None) -> None:
+    """Rank 0 writes the run record with its timing summary and exit status (ok | failed; exit_code: the
+    process's, when it is not the default 0 / 1)."""
     path = getattr(args, "result_json", None)
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
     if not path or rank != 0:
@@ -90,7 +92,7 @@ def write_record(args, status: str, error: str | None = None, peak_mem_gb: float
     timed = times[1:] if len(times) > 1 else times   # the first step pays for warm-up (allocations, NCCL set-up)
     median = statistics.median(timed) if timed else None
     tokens = (r.get("global_batch_size") or 0) * (r.get("seq_length") or 0)
-    r.update(status=status, exit_code=0 if status == "ok" else 1, error=error,
+    r.update(status=status, exit_code=exit_code if exit_code is not None else 0 if status == "ok" else 1, error=error,
              step_time_median_s=median, step_time_timed_iterations=len(timed),
              tokens_per_s=tokens / median if median else None,
              tflops_per_gpu=(r["flops_per_iter"] / median / r["world_size"] / 1e12
