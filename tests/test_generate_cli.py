@@ -72,6 +72,13 @@ def test_generate_reads_config_and_checkpoint_and_reports_the_floor(checkpoint):
     res = json.loads(out.read_text())
     assert len(res["tokens"]) == 2 and res["tokens"][0] == res["tokens"][1] and len(res["tokens"][0]) == 5
     assert res["world"] == 2 and res["graphed"] is False and len(res["token_ms"]) == 4
+    # CP = 1 reads the same torch_dist checkpoint and gives the same tokens (Megatron-FSDP's fsdp_dtensor
+    # checkpoints: tests/test_checkpoint.py).
+    r = _run("megatron_cp_plugin.inference.cli", "--nproc", "1", "--config", str(checkpoint / "model.toml"),
+             "--load", str(checkpoint / "ckpt"), "--prompt-ids", "1,2,3,4,5,6,7", "--batch-size", "2",
+             "--result-json", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads(out.read_text())["tokens"] == res["tokens"]
 
 
 def test_generate_names_a_model_flag_that_disagrees_with_the_checkpoint(checkpoint):

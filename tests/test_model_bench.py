@@ -19,12 +19,25 @@ def _bench(tmp_path, name, *flags):
     return {row["run"]: row for row in json.loads((out.parent / (out.name + ".json")).read_text())["rows"]}
 
 
-def test_loss_difference_only_against_a_cp1_run(tmp_path):
+def test_loss_difference_only_against_a_cp1_run(tmp_path, monkeypatch):
     rows = _bench(tmp_path, "with")
     assert set(rows) == {"CP=1", "ring"}
     assert "max_loss_diff_vs_cp1" not in rows["CP=1"]
     assert 0 <= rows["ring"]["max_loss_diff_vs_cp1"] <= 1e-4       # fp32 on CPU: CP = 2 repeats CP = 1
-    rows = _bench(tmp_path, "without", "--no-cp1")
-    assert set(rows) == {"ring"} and "max_loss_diff_vs_cp1" not in rows["ring"]
+
+    # --no-cp1: the same report from the same run records, with no CP = 1 run and no difference column (the
+    # runs are replayed here instead of trained again).
+    from megatron_cp_plugin.bench import model
+    records = {name: json.loads((tmp_path / f"with_{name}.json").read_text()) for name in ("cp1", "ring")}
+    calls = []
+
+    def replay(nproc, flags, out_json):
+        calls.append(nproc)
+        return records["cp1" if nproc == 1 else "ring"]
+    monkeypatch.setattr(model, "_run", replay)
+    out = tmp_path / "without"
+    assert model.main(["--nproc", "2", "--algos", "ring", "--out", str(out), "--no-cp1"]) == 0
+    rows = {row["run"]: row for row in json.loads((tmp_path / "without.json").read_text())["rows"]}
+    assert calls == [2] and set(rows) == {"ring"} and "max_loss_diff_vs_cp1" not in rows["ring"]
     assert rows["ring"]["final_loss"] > 0
     assert "max_loss_diff" not in (tmp_path / "without.md").read_text()
