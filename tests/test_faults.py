@@ -171,3 +171,16 @@ def test_killed_launcher_takes_its_ranks_and_their_helpers_along(tmp_path):
         job.ended_within(5)                        # nothing of the job may be left 5 s later
     finally:
         job.cleanup()
+
+
+def test_a_finished_run_that_saved_leaves_no_process_behind(tmp_path):
+    """Ranks leave with os._exit (no interpreter teardown): what they started, dist_checkpointing's Manager
+    process, must go with them, or it outlives the job holding its output pipe (a caller reading the output
+    to its end, as subprocess.run does, then waits forever)."""
+    job = Job("--save", str(tmp_path / "ckpt"), "--save-interval", "2", "--train-iters", "2")
+    try:
+        job.ended_within(120)
+        assert job.p.returncode == 0, job.output()[-3000:]
+        assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    finally:
+        job.cleanup()

@@ -36,7 +36,8 @@ def cp1_losses(tmp_path_factory):
 
 def test_attention2d_cp4_tracks_cp1_for_12_steps(cp1_losses, tmp_path):
     log = tmp_path / "log.jsonl"
-    _pretrain("--train-iters", "12", "--context-parallel-algo", "attention2d", "--log-json", str(log), nproc=4)
+    r = _pretrain("--train-iters", "12", "--context-parallel-algo", "attention2d", "--log-json", str(log), nproc=4)
+    assert r.stdout.count("--context-parallel-algo attention2d ->") == 1, r.stdout   # rank 0's, not the launcher's too
     cp4 = _losses(log)
     assert len(cp4) == len(cp1_losses) == 12
     assert max(abs(a - b) for a, b in zip(cp4, cp1_losses)) <= 1e-4, list(zip(cp4, cp1_losses))

@@ -174,14 +174,15 @@ def log_choice(cfg: CPConfig) -> None:
         print(line, flush=True)
 
 
-def config_from_args(args) -> CPConfig:
+def config_from_args(args, log: bool = True) -> CPConfig:
     """CPConfig from Megatron-style parsed args (context_parallel_algo, context_parallel_size, cp_grid, the model
-    shape for auto, ...); logs the cost model's choice on rank 0 when it made one."""
+    shape for auto, ...); logs the cost model's choice on rank 0 when it made one (and `log`)."""
     cfg = CPConfig(algo=args.context_parallel_algo or "ring", cp_size=getattr(args, "context_parallel_size", 1) or 1,
                    grid=parse_grid(getattr(args, "cp_grid", None)),
                    gpus_per_node=getattr(args, "cp_gpus_per_node", None), seq_length=getattr(args, "seq_length", None),
                    hardware=getattr(args, "cp_hardware", None) or DEFAULT_HARDWARE, **_model_shape(args))
-    log_choice(cfg)
+    if log:
+        log_choice(cfg)
     return cfg
 
 

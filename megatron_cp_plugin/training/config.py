@@ -260,9 +260,10 @@ def sharding_strategy(args) -> str | None:
     return getattr(args, "data_parallel_sharding_strategy", None) or FSDP_DEFAULT_STRATEGY
 
 
-def validate_args(args, world: int):
+def validate_args(args, world: int, log: bool = True):
     """Start-up checks, identical on every rank and before any collective; fills in the derived sizes
-    (context_parallel_size, data_parallel_size, global_batch_size) and returns the plugin's CPConfig."""
+    (context_parallel_size, data_parallel_size, global_batch_size) and returns the plugin's CPConfig.
+    log: rank 0 prints the cost model's choice (`auto`, `attention2d`) when it made one."""
     tp = args.tensor_model_parallel_size
     if world % tp:
         raise ValueError(f"--tensor-model-parallel-size {tp} does not divide the {world} ranks")
@@ -291,7 +292,7 @@ def validate_args(args, world: int):
         # are not summed over the group. Replicating everything is what Megatron's DDP does.
         raise ValueError("--data-parallel-sharding-strategy no_shard does not train in megatron-core 0.16.1's "
                          "Megatron-FSDP; for no sharding drop --use-megatron-fsdp (Megatron's DDP)")
-    cp_cfg = config_from_args(args)                # --context-parallel-algo, --cp-grid, sequence divisibility
+    cp_cfg = config_from_args(args, log=log)       # --context-parallel-algo, --cp-grid, sequence divisibility
     document_unit(args, cp_cfg.algo)
     return cp_cfg
 
