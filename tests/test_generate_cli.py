@@ -100,3 +100,14 @@ def test_decode_bench_model_mode_on_gloo(tmp_path):
     assert rows[0]["ok"] is True
     lat = [x for x in rows if x["what"].startswith("latency")]
     assert {x["decoder"] for x in lat} == {"tree", "ring"} and all(x["ms_per_token"] > 0 for x in lat)
+
+
+def test_a_megatron_fsdp_checkpoint_is_refused_above_tp1_before_any_process_starts(tmp_path):
+    from megatron_cp_plugin.inference.checkpoint import check_loadable
+
+    (tmp_path / "megatron_cp_plugin.json").write_text(json.dumps({"format": "fsdp_dtensor"}))
+    check_loadable(str(tmp_path), 1)
+    with pytest.raises(ValueError, match="--tensor-model-parallel-size 2: a Megatron-FSDP checkpoint"):
+        check_loadable(str(tmp_path), 2)
+    (tmp_path / "megatron_cp_plugin.json").write_text(json.dumps({"format": "torch_dist"}))
+    check_loadable(str(tmp_path), 2)                 # dist_checkpointing reshards for TP

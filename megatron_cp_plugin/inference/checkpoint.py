@@ -108,6 +108,14 @@ def set_unless_given(args, given: set[str], defaults: dict) -> None:
             setattr(args, name, defaults.get(name))
 
 
+def check_loadable(path: str, tp_size: int) -> None:
+    """ValueError naming the flag when generation at `tp_size` cannot load the checkpoint at `path` (files only,
+    before any process group): Megatron-FSDP's DCP weights are read whole, at TP = 1."""
+    if tp_size != 1 and checkpoint_format(path) == "fsdp_dtensor":
+        raise ValueError(f"--tensor-model-parallel-size {tp_size}: a Megatron-FSDP checkpoint ({path}) is loaded "
+                         "for generation at TP = 1 only")
+
+
 def load_weights(model, path: str, tp_size: int = 1) -> None:
     """Load the checkpoint's weights into `model` (a GPTModel built with the checkpoint's model arguments)."""
     import torch
@@ -117,9 +125,7 @@ def load_weights(model, path: str, tp_size: int = 1) -> None:
         loaded = dist_checkpointing.load({"model": model.sharded_state_dict(prefix="model.")}, path)
         model.load_state_dict(loaded["model"], strict=False)
         return
-    if tp_size != 1:
-        raise ValueError(f"--tensor-model-parallel-size {tp_size}: a Megatron-FSDP checkpoint ({path}) is loaded "
-                         "for generation at TP = 1 only")
+    check_loadable(path, tp_size)
     saved = _fsdp_keys(path)
     params = dict(model.named_parameters())
     missing = [n for n in params if f"model.module.{n}" not in saved]

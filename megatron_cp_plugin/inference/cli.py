@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from ..training.config import build_parser, parse_with_configs, transformer_config, validate_args
 from ..training.launch import launch
-from .checkpoint import (MODEL_ARGS, apply_model_args, checkpoint_format, checkpoint_path, load_weights, model_args_of,
+from .checkpoint import (MODEL_ARGS, apply_model_args, check_loadable, checkpoint_path, load_weights, model_args_of,
                          set_unless_given)
 
 
@@ -60,9 +60,7 @@ def _args(argv=None):
         if args.load:
             path = checkpoint_path(args.load)
             apply_model_args(args, model_args_of(path), given, defaults)
-            if checkpoint_format(path) == "fsdp_dtensor" and args.tensor_model_parallel_size != 1:
-                raise ValueError(f"--tensor-model-parallel-size {args.tensor_model_parallel_size}: a Megatron-FSDP "
-                                 f"checkpoint ({path}) is loaded for generation at TP = 1 only")
+            check_loadable(path, args.tensor_model_parallel_size)
         else:
             set_unless_given(args, given, defaults)
     except ValueError as e:                        # one line naming the flag, before any process starts
