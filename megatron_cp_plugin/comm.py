@@ -51,13 +51,22 @@ class Ring:
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.next = dist.get_global_rank(group, (self.rank + 1) % self.world)
         self.prev = dist.get_global_rank(group, (self.rank - 1) % self.world)
+        # gloo's send/recv take host tensors only ("writev: Bad address" on CUDA ones): with CUDA tensors on a
+        # gloo group (ranks sharing a GPU, devices.py) each message is staged through host memory.
+        self._staged = dist.get_backend(group) == "gloo"
         self._works: list = []
+        self._landing: list = []
 
     def send_recv(self, tensors) -> list[torch.Tensor]:
         send = [t.contiguous() for t in tensors]
         recv = [torch.empty_like(t) for t in send]
-        ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in send]
-        ops += [dist.P2POp(dist.irecv, t, self.prev, self.group) for t in recv]
+        wire_send, wire_recv = send, recv
+        if self._staged and any(t.is_cuda for t in send):
+            wire_send = [t.cpu() for t in send]                  # synchronous: the data is final when sent
+            wire_recv = [torch.empty(t.shape, dtype=t.dtype) for t in send]
+            self._landing = list(zip(wire_recv, recv))
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in wire_send]
+        ops += [dist.P2POp(dist.irecv, t, self.prev, self.group) for t in wire_recv]
         self._works = dist.batch_isend_irecv(ops)
         if self.stats is not None:
             self.stats.add(self.phase, sum(t.numel() * t.element_size() for t in send))
@@ -67,6 +76,9 @@ class Ring:
         for w in self._works:
             w.wait()
         self._works = []
+        for host, dev in self._landing:                          # staged: the received bytes onto the device
+            dev.copy_(host)
+        self._landing = []
 
 
 # ----------------------------------------------------------------------------------------------- CP grid

@@ -60,39 +60,7 @@ resume)
       && echo 3 > "$W/${layout}_start/latest_checkpointed_iteration.txt"
     run ${layout}_res $L --load "$W/${layout}_start" --save "$W/${layout}_res"
   done
-  python3 - "$W" "$OUT/resume.md" <<'EOF'
-import json, sys, torch
-from pathlib import Path
-from tests.ckpt_compare import read_checkpoint, same
-w, out = Path(sys.argv[1]), sys.argv[2]
-losses = lambda n: [json.loads(l)["loss"] for l in open(w / f"{n}.jsonl")] if (w / f"{n}.jsonl").exists() else []
-verdicts = []
-lines = ["| layout | uninterrupted = 2nd uninterrupted | resumed = uninterrupted (losses 4-6) | checkpoint tensors "
-         "equal / differing (max abs diff) | verdict |", "|---|---|---|---|---|"]
-for layout in ("dopt", "fsdp"):
-    ref, ref2, res = losses(f"{layout}_ref"), losses(f"{layout}_ref2"), losses(f"{layout}_res")
-    det = len(ref) == 6 and ref == ref2
-    equal = len(res) == 3 and res == ref[3:]
-    try:
-        a = read_checkpoint(w / f"{layout}_ref/iter_0000006", w)
-        b = read_checkpoint(w / f"{layout}_res/iter_0000006", w)
-        bad = [k for k in a if k not in b or not same(a[k], b[k])]
-        worst = max((float((a[k].float() - b[k].float()).abs().max()) for k in bad
-                     if isinstance(a[k], torch.Tensor) and k in b and a[k].shape == b[k].shape), default=0.0)
-        ck = f"{len(a) - len(bad)} / {len(bad)} ({worst:.3g}); {sum('exp_avg' in k for k in a)} Adam tensors"
-    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
-        bad, ck = ["?"], f"not compared: {type(e).__name__}"
-    verdict = ("FAIL: a run failed (resume.log)" if len(ref) < 6 or len(res) < 3 else
-               "PASS (bit-exact)" if equal and not bad else
-               "FAIL" if det else "GPUs not deterministic: compare the differences")
-    verdicts.append(verdict)
-    lines.append(f"| {layout} | {det} | {equal} {ref[3:]} vs {res} | {ck} | {verdict} |")
-    if not det:
-        lines.append(f"| {layout} | uninterrupted {ref} vs 2nd {ref2} | | | |")
-Path(out).write_text("\n".join(lines) + "\n")
-print("\n".join(lines))
-sys.exit(0 if all(v.startswith(("PASS", "GPUs not")) for v in verdicts) else 1)
-EOF
+  python3 -m tests.resume_compare "$W" "$OUT/resume.md" dopt fsdp
   ;;
 model13b)
   rc=0                                   # one algorithm at a time, each table appended as soon as it is done

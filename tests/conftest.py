@@ -11,6 +11,10 @@ import torch
 # inherit it. On GPUs the real kernels run.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+else:
+    # On a GPU machine every multi-rank run (trainer, generation, benchmarks under torchrun) shares the GPUs
+    # present over gloo (devices.py), so that one GPU runs the whole suite; a test of the refusal unsets it.
+    os.environ.setdefault("MCP_SHARE_GPU", "1")
 
 from .dist_pool import DistPool
 

@@ -44,7 +44,14 @@ def _context():
     """A forkserver that has imported torch, megatron-core and the plugin once: every rank of every pool is a
     fork of it (~0.1 s) instead of a fresh interpreter importing them (~3 s of CPU each, 7 s with
     megatron-core; 33 ranks for test_cp_attention alone on CI's 2 cores). Nothing in it has run a kernel or
-    started a thread pool, so the forks are clean; the ranks create their process groups after the fork."""
+    started a thread pool, so the forks are clean; the ranks create their process groups after the fork.
+    On a GPU machine the ranks are spawned instead: an import there may touch CUDA (megatron-core's did, and a
+    fork then cannot use CUDA again: "Cannot re-initialize CUDA in forked subprocess"), and the ranks' tensors
+    live on the GPU, shared over gloo as in the shared-GPU mode (devices.py)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "megatron_cp_plugin", "megatron.core",
                                 "tests.dist_pool"])

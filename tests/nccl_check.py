@@ -13,8 +13,11 @@ and gradient, on each rank's shard (Frobenius-norm relative error):
   2. against the single-GPU backward run from our own (gathered) O: within --same-o-tol x eps(dtype), plus
      0.05 on the large cases, where dP - D cancels five digits and the fp32 sums that form D in another order
      (ours, the kernel's) differ by ~1%. A D that is wrong (a clamped or zero surrogate O) fails by far.
+Tree decoding (--decode, every merge variant): one decode query row per sequence over the KV cache sharded
+contiguously over the ranks, against fp64: at most twice the error of single-GPU decoding in the same dtype.
 Rank 0 prints one line per (case, algo, grid) with the worst rank's errors. Exits non-zero on any failure.
-tests/test_gpu.py runs it for every GPU count present; scripts/gpu_numerics_check.sh logs it.
+tests/test_gpu.py runs it for every GPU count present, and with more ranks than GPUs in the shared-GPU mode
+(MCP_SHARE_GPU=1: gloo with CUDA tensors on one device); scripts/gpu_numerics_check.sh logs it.
 """
 from __future__ import annotations
 
@@ -27,7 +30,9 @@ import torch.distributed as dist
 
 import megatron_cp_plugin as mcp
 from megatron_cp_plugin.bench._common import init_distributed
-from megatron_cp_plugin.kernels.local_attn import block_bwd, block_fwd
+from megatron_cp_plugin.algos import BASELINES
+from megatron_cp_plugin.algos.tree_decode import VARIANTS
+from megatron_cp_plugin.kernels.local_attn import block_bwd, block_fwd, decode_fwd
 
 CASES = {"bf16": (torch.bfloat16, False), "fp16": (torch.float16, False), "bf16-large": (torch.bfloat16, True),
          "fp16-large": (torch.float16, True)}
@@ -73,12 +78,42 @@ def _inputs(seed, seq, h, hk, d, dtype, large, dev):
     return tuple(t.to(dtype) for t in (q, k, v, do))
 
 
+def decode_check(a, world, dev) -> int:
+    """Tree decoding over a cache of --seq keys sharded contiguously (rank r holds keys [r S/P, (r+1) S/P)),
+    every variant, bf16 and fp16, MHA and GQA, b = 2 sequences of one decode query each: the output against
+    fp64 within twice single-GPU decoding's error in the same dtype. Returns this rank's failures."""
+    failures, rank = 0, dist.get_rank()
+    per = a.seq // world
+    for case, (h, hk) in itertools.product(("bf16", "fp16"), ((8, 8), (8, 2))):
+        dtype = CASES[case][0]
+        g = torch.Generator(device=dev).manual_seed(h + hk)
+        q = torch.randn(2, 1, h, a.head_dim, device=dev, generator=g).to(dtype)
+        k, v = (torch.randn(2, a.seq, hk, a.head_dim, device=dev, generator=g).to(dtype) for _ in range(2))
+        ref = block_fwd(q.double(), k.double(), v.double(), backend="math")[0]
+        single = decode_fwd(q, k, v)[0].to(dtype)
+        e1 = _rel_l2(single, ref)
+        for variant in VARIANTS:
+            o = mcp.tree_decode(q, k[:, rank * per:(rank + 1) * per], v[:, rank * per:(rank + 1) * per],
+                                group=dist.group.WORLD, variant=variant)
+            e = _rel_l2(o, ref)
+            every = [None] * world
+            dist.all_gather_object(every, e)
+            ok = max(every) <= 2 * e1
+            failures += not ok
+            if rank == 0:
+                print(f"tree_decode {variant} P={world} S={a.seq} {case} h={h}/{hk}: o {max(every):.2e} "
+                      f"(1GPU {e1:.2e})  {'ok' if ok else 'FAIL'}", flush=True)
+    return failures
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--seq", type=int, default=32768)
     p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--algos", nargs="+", default=list(mcp.ALGORITHMS), choices=mcp.ALGORITHMS)
+    every = list(mcp.ALGORITHMS) + list(BASELINES)
+    p.add_argument("--algos", nargs="+", default=every, choices=every)
     p.add_argument("--cases", nargs="+", default=["bf16", "fp16-large"], choices=list(CASES))
+    p.add_argument("--decode", action="store_true", help="also tree decoding, every merge variant")
     p.add_argument("--same-o-tol", type=float, default=4.0, help="check 2's bar in units of eps(dtype)")
     a = p.parse_args()
     rank, world, dev = init_distributed()
@@ -110,6 +145,8 @@ def main():
                                   f"{algo}{where} P={world} S={a.seq} {case} causal={causal!s:5s} h={h}/{hk}")
             del ql, kl, vl, o, same_o
         del ref, single, o1, lse1
+    if a.decode:
+        failures += decode_check(a, world, dev)
     total = torch.tensor([failures], device=dev)
     dist.all_reduce(total)
     if rank == 0:

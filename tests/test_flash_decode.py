@@ -141,8 +141,16 @@ def test_merge_packed_equals_merge_partials():
     parts = torch.cat([o.reshape(P, -1), lse], 1)
     out, acc = fd.merge_packed(parts, d)
     ro, ra = fd.merge_partials(o, lse)
-    assert torch.equal(out, ro) and torch.equal(torch.isinf(acc), torch.isinf(ra))
-    assert torch.equal(acc[torch.isfinite(acc)], ra[torch.isfinite(ra)])
+    assert torch.equal(torch.isinf(acc), torch.isinf(ra))
+    if DEV.type == "cpu":       # the interpreter runs both layouts through the same numpy ops
+        assert torch.equal(out, ro) and torch.equal(acc[torch.isfinite(acc)], ra[torch.isfinite(ra)])
+    else:   # compiled, the two strides (455 vs 448 floats a partial) specialise differently: a few ulps apart
+        torch.testing.assert_close(out, ro, rtol=4e-7, atol=1e-7)
+        torch.testing.assert_close(acc[torch.isfinite(acc)], ra[torch.isfinite(ra)], rtol=4e-7, atol=1e-7)
+    w = torch.softmax(lse.double().nan_to_num(neginf=-1e300), 0)            # the merge in fp64
+    ref = (w[..., None] * o.double()).sum(0)
+    seen = torch.isfinite(lse).any(0)
+    assert (out.double() - ref)[seen].abs().max() < 1e-5 and torch.equal(out[~seen], torch.zeros_like(out[~seen]))
     low, _ = fd.merge_packed(parts, d, out_dtype=torch.bfloat16)
     assert low.dtype == torch.bfloat16 and torch.allclose(low.float(), ro, atol=1e-2)
     with pytest.raises(ValueError, match="merge_packed"):

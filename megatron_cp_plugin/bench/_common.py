@@ -20,17 +20,34 @@ def free_port() -> int:
 
 
 def init_distributed():
-    """Under torchrun: NCCL on GPUs (one per local rank), gloo on CPU. Returns (rank, world, device)."""
+    """Under torchrun: NCCL on GPUs (one per local rank), gloo on CPU, gloo with CUDA tensors when ranks share
+    GPUs (devices.py; more local ranks than GPUs without MCP_SHARE_GPU=1 / --share-gpu: one line, exit 2).
+    Returns (rank, world, device)."""
+    from .. import devices
+
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29511")
-    if torch.cuda.is_available():
-        dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    share = devices.sharing()
+    refuse = devices.too_many_ranks(devices.local_world(), share, "ranks per node")
+    if refuse:
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            print(f"megatron-cp-bench: error: {refuse}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    dev = devices.rank_device(int(os.environ["LOCAL_RANK"]))
+    if dev.type == "cuda":
         torch.cuda.set_device(dev)
+    if devices.backend(share) == "nccl":
         dist.init_process_group("nccl", device_id=dev)
     else:
-        dev = torch.device("cpu")
         dist.init_process_group("gloo")
     return dist.get_rank(), dist.get_world_size(), dev
+
+
+def timing_note() -> str:
+    """What a report says of its timings beside the device: empty, or that ranks shared a GPU."""
+    from .. import devices
+
+    return f" ({devices.NOT_REPRESENTATIVE})" if devices.sharing() and devices.gpu_count() else ""
 
 
 def gather_max(x: float) -> float:
@@ -79,6 +96,7 @@ def write_report(rows: list[dict], path_stem: str, header: str, plot: tuple[str,
     the JSON). Returns the markdown. The JSON keeps the exact command and the device."""
     os.makedirs(os.path.dirname(path_stem) or ".", exist_ok=True)
     cols = list(dict.fromkeys(c for r in rows for c in r))
+    header += timing_note()
     md = [header, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         md.append("| " + " | ".join(_cell(r.get(c, "")) for c in cols) + " |")

@@ -8,7 +8,7 @@
     python -m megatron_cp_plugin.bench plan --config configs/gpt3-175b.toml --gpus 64 --gpu-mem 80
     python -m megatron_cp_plugin.bench plot results/attention.json
 
-Subcommands that need several GPUs run under torchrun; each writes JSON (with the command and device), a
+Subcommands that need several GPUs run under torchrun (more ranks than GPUs: --share-gpu, verification only); each writes JSON (with the command and device), a
 markdown table and, where matplotlib is installed, a PNG next to --out.
 """
 from __future__ import annotations
@@ -38,6 +38,10 @@ def _usage() -> str:
 
 def main(argv=None):
     argv = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--verbose"]   # quiet.py read it
+    if "--share-gpu" in argv:              # every subcommand: ranks share the GPUs (devices.py); also for children
+        from ..devices import enable_sharing
+        enable_sharing()
+        argv.remove("--share-gpu")
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0

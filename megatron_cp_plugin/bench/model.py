@@ -56,6 +56,10 @@ def main(argv=None):
     p.add_argument("--no-cp1", action="store_true", help="skip the CP = 1 baseline (when it does not fit)")
     p.add_argument("--out", default="results/model")
     a, flags = p.parse_known_args(argv)
+    from .. import devices
+    refuse = devices.too_many_ranks(a.nproc, devices.sharing())      # before any run starts
+    if refuse:
+        raise SystemExit(f"megatron-cp-bench: error: {refuse}")
     if "--train-iters" not in flags:
         flags += ["--train-iters", "8"]
     peak = matmul_peak_tflops()

@@ -50,6 +50,9 @@ from .math_attn import _empty_result, acc_dtype, attention_delta, math_bwd, math
 from .segments import Segments, index_tensor, nonempty, strict_view
 
 MASKS = ("none", "causal", "causal_strict")
+NONDETERMINISTIC_BWD: frozenset = frozenset()
+"""Backends whose backward differs from run to run on the same inputs even with torch's deterministic switch
+on (tests/determinism_probe.py); the automatic choice skips them while the switch is on (--deterministic-mode)."""
 BACKENDS = ("cudnn", "flash", "flash_attn", "math")
 MATH_CHUNK = 512
 
@@ -105,6 +108,8 @@ def select_backend(device: torch.device, dtype: torch.dtype, head_dim: int, back
     if device.type == "cuda":
         hopper = torch.cuda.get_device_capability(device)[0] >= 9
         order = (["cudnn", "flash_attn", "flash"] if hopper else ["flash_attn", "flash", "cudnn"]) + order
+    if torch.are_deterministic_algorithms_enabled():
+        order = [name for name in order if name not in NONDETERMINISTIC_BWD]
     for name in order:
         if _unsupported(name, device, dtype, head_dim, packed) is None:
             if name == "math" and device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
@@ -376,7 +381,7 @@ def _fa_bwd(do, q, k, v, o, lse, causal, scale, _chunk):
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     kw = _fa_kwargs(fn, causal, scale)
     if "deterministic" in inspect.signature(fn).parameters:
-        kw["deterministic"] = False
+        kw["deterministic"] = torch.are_deterministic_algorithms_enabled()   # --deterministic-mode
     fn(do.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), o.contiguous(), lse.contiguous(),
        dq, dk, dv, **kw)
     return dq, dk, dv
@@ -427,7 +432,7 @@ def _fa_varlen_bwd(do, q, k, v, o, lse, sq, sk, causal, scale, _chunk):
     dq, dk, dv = torch.empty_like(q3), torch.empty_like(k3), torch.empty_like(v3)
     kw = _fa_kwargs(fn, causal, scale)
     if "deterministic" in inspect.signature(fn).parameters:
-        kw["deterministic"] = False
+        kw["deterministic"] = torch.are_deterministic_algorithms_enabled()   # --deterministic-mode
     fn(do3, q3, k3, v3, o3, _lse_in(lse), dq, dk, dv, sq.cu(dev), sk.cu(dev), sq.max_len, sk.max_len, **kw)
     return dq[None], dk[None], dv[None]
 

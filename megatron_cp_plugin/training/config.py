@@ -82,10 +82,14 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     a("--eval-interval", type=int, default=None)
     a("--eval-iters", type=int, default=2)
     a("--seed", type=int, default=1234)
-    a("--deterministic-mode", action="store_true", help="as Megatron-LM: deterministic torch kernels where they "
-      "exist (torch.use_deterministic_algorithms, warn-only); set CUBLAS_WORKSPACE_CONFIG=:4096:8 too")
+    a("--deterministic-mode", action="store_true", help="as Megatron-LM: bit-identical reruns on the same "
+      "machine and layout (torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG=:4096:8, the attention "
+      "kernels' deterministic backward; costs step time: docs/training.md)")
     a("--dist-timeout", type=float, default=60.0, help="seconds a collective waits for a peer before failing")
     a("--nproc", type=int, default=None, help="spawn this many local processes (instead of torchrun)")
+    a("--share-gpu", action="store_true", help="let more ranks than GPUs run on this machine, sharing them over "
+      "gloo with CUDA tensors (to verify on one GPU what runs on many; timings are not representative). Under "
+      "torchrun / SLURM: MCP_SHARE_GPU=1")
     a("--log-json", default=None, help="append one JSON line per logged iteration to this file")
     a("--compare-cp1", action="store_true", help="first train the same model with CP = 1 (one process), then "
       "this run, and print both loss curves side by side")

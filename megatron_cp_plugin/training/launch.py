@@ -14,6 +14,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from .. import devices
 from .report import write_record
 
 
@@ -24,9 +25,20 @@ def run_rank(rank: int, world: int, args, port: int | None, target) -> None:
         if port is not None:
             os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        share = devices.sharing(getattr(args, "share_gpu", False))
+        if port is None:                    # torchrun / SLURM: the launcher was not ours, so check here
+            refuse = devices.too_many_ranks(devices.local_world(), share, "ranks per node")
+            if refuse:
+                if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+                    print(f"{getattr(args, 'prog', 'megatron-cp-pretrain')}: error: {refuse} "
+                          f"(MCP_SHARE_GPU=1 under torchrun)", file=sys.stderr, flush=True)
+                os._exit(2)
+        if getattr(args, "deterministic_mode", False):
+            # cuBLAS picks its workspace (and with it the reduction order) when its handle is made: before CUDA
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         gpu = torch.cuda.is_available()
         if gpu:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            torch.cuda.set_device(devices.rank_device(int(os.environ.get("LOCAL_RANK", 0))))
         else:
             from ..megatron.cpu_shim import apply_cpu_shims
             apply_cpu_shims()
@@ -34,7 +46,7 @@ def run_rank(rank: int, world: int, args, port: int | None, target) -> None:
         # NCCL: a collective that outlives the timeout ends the process (torch >= 2.2's default, kept unless
         # the user chose otherwise); gloo times out each collective by itself.
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
-        dist.init_process_group("nccl" if gpu else "gloo", timeout=datetime.timedelta(seconds=args.dist_timeout))
+        dist.init_process_group(devices.backend(share), timeout=datetime.timedelta(seconds=args.dist_timeout))
         target(args)
         dist.destroy_process_group()
     except BaseException as e:  # noqa: BLE001 - report, then leave without waiting for peers
@@ -72,6 +84,15 @@ def launch(args, target, prog: str = "megatron-cp-pretrain") -> None:
     this process exits when they are done (status 0, or the failure's), so launch() does not return."""
     from ..bench._common import free_port
 
+    args.prog = prog
+    if "RANK" not in os.environ and args.nproc and args.nproc > 1:
+        refuse = devices.too_many_ranks(args.nproc, devices.sharing(getattr(args, "share_gpu", False)))
+        if refuse:                         # in the launching process, before any rank starts
+            print(f"{prog}: error: {refuse}", file=sys.stderr)
+            write_record(args, "failed", refuse, exit_code=2)
+            sys.exit(2)
+    if getattr(args, "share_gpu", False):
+        devices.enable_sharing()           # the ranks (and what they start) see it too
     if "RANK" in os.environ or not args.nproc or args.nproc == 1:
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")

@@ -7,6 +7,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from .. import devices
 from . import report
 from .checkpoint import check_resumable, check_save_dir
 from .config import recompute_kwargs, sharding_strategy, validate_args
@@ -38,7 +39,9 @@ def train(args) -> list[float]:
             from ..megatron.cpu_shim import apply_cpu_recompute_shim
             apply_cpu_recompute_shim()
     if args.deterministic_mode:
-        torch.use_deterministic_algorithms(True, warn_only=True)
+        # Strict: an op without a deterministic kernel fails the run instead of silently breaking the promise.
+        # The attention kernels read this switch too (kernels/local_attn.py).
+        torch.use_deterministic_algorithms(True)
     ps.initialize_model_parallel(tensor_model_parallel_size=args.tensor_model_parallel_size,
                                  context_parallel_size=args.context_parallel_size,
                                  distributed_timeout_minutes=args.dist_timeout / 60)  # its groups' collectives too
@@ -50,7 +53,8 @@ def train(args) -> list[float]:
         print(f"megatron-cp-pretrain: {world} ranks (TP {args.tensor_model_parallel_size}, CP "
               f"{args.context_parallel_size}, DP {args.data_parallel_size}), algo {cp_cfg.algo}, "
               f"{trainer.n_params / 1e6:.2f}M parameters, {_layout_words(args)}, "
-              f"{'bf16' if args.bf16 else 'fp32'} {'GPU' if gpu else 'CPU'}; TFLOP/s counts "
+              f"{'bf16' if args.bf16 else 'fp32'} {'GPU' if gpu else 'CPU'}"
+              f"{'; ' + devices.NOT_REPRESENTATIVE if gpu and devices.sharing() else ''}; TFLOP/s counts "
               f"{report.flops_per_iter.__doc__.split(chr(10))[0].strip()}"
               f"{' (attention: sum of squared document lengths)' if trainer.document_unit else ''}", flush=True)
     losses, saved, packed_flops = [], False, []
@@ -73,7 +77,7 @@ def train(args) -> list[float]:
             dt = (time.perf_counter() - t0) / args.log_interval
             t0 = time.perf_counter()
             if trainer.document_unit is not None:       # packed: the documents' attention, summed over DP
-                sq = torch.tensor([trainer.attention_tokens_sq], dtype=torch.float64)
+                sq = torch.tensor([trainer.attention_tokens_sq], dtype=torch.float64, device=device)  # NCCL: on GPU
                 dist.all_reduce(sq, group=ps.get_data_parallel_group())
                 trainer.attention_tokens_sq = 0.0
                 flops = report.flops_per_iter(args, trainer.n_params, float(sq) / args.log_interval)

@@ -12,6 +12,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from .. import devices
 from .config import recompute_kwargs, sharding_strategy
 
 _RESULT: dict | None = None   # this process's run record, filled while training, written by rank 0
@@ -55,6 +56,7 @@ def start_record(args, world: int, cp_cfg, device, n_params: int, vocab: int, fl
         "algo": cp_cfg.algo, "cp_size": args.context_parallel_size, "tp_size": args.tensor_model_parallel_size,
         "dp_size": args.data_parallel_size, "world_size": world, "nodes": max(1, world // max(1, local)),
         "ranks_per_node": local, "gpus": world if device.type == "cuda" else 0, "device": device.type,
+        "shared_gpu": device.type == "cuda" and devices.sharing(),     # timings then say nothing of speed
         "gpu_name": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         "cp_grid": args.cp_grid, "cp_gpus_per_node": args.cp_gpus_per_node,
         "seq_length": args.seq_length, "micro_batch_size": args.micro_batch_size,

@@ -1,0 +1,64 @@
+"""Which device and process-group backend a rank uses: the one place that decides it.
+
+By default every rank owns one GPU and talks NCCL (gloo and the CPU where torch sees no GPU). With the opt-in
+shared-GPU mode (`--share-gpu`, or MCP_SHARE_GPU=1 in the ranks' environment under torchrun / SLURM), more
+ranks than GPUs run on one machine: local rank r uses GPU r mod (GPUs present) and the process group is gloo
+with CUDA tensors. gloo runs collectives on CUDA tensors (it stages them through host memory); its
+point-to-point calls do not take CUDA tensors, so `comm.Ring` stages those itself. The mode exists to verify
+on one GPU what runs on many (every algorithm, the trainer, generation, faults, determinism); its timings say
+nothing about speed and are labelled so.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+SHARE_FLAG = "--share-gpu"
+SHARE_ENV = "MCP_SHARE_GPU"
+NOT_REPRESENTATIVE = "ranks share a GPU (--share-gpu): timings are not representative"
+
+
+def gpu_count() -> int:
+    """GPUs torch can use here (0 without CUDA). Creates no CUDA context, so a launcher may fork after it."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def sharing(flag: bool = False) -> bool:
+    """Whether this process runs in the shared-GPU mode: the flag, or MCP_SHARE_GPU set (and not 0)."""
+    return bool(flag) or os.environ.get(SHARE_ENV, "") not in ("", "0")
+
+
+def enable_sharing() -> None:
+    """Opt in for this process and every process it starts (spawned ranks, torchrun children)."""
+    os.environ[SHARE_ENV] = "1"
+
+
+def too_many_ranks(local_ranks: int, share: bool, what: str = "--nproc") -> str | None:
+    """One line when `local_ranks` ranks on this machine would need more GPUs than it has and the shared mode
+    was not asked for; None when they fit (or there is no GPU: the ranks run on the CPU)."""
+    gpus = gpu_count()
+    if gpus == 0 or local_ranks <= gpus or share:
+        return None
+    return (f"{what} {local_ranks}: this machine has {gpus} GPU{'s' if gpus > 1 else ''}; pass {SHARE_FLAG} to "
+            f"run {local_ranks} ranks on {'them' if gpus > 1 else 'it'} over gloo (verification, not speed), "
+            f"or use at most {gpus} ranks")
+
+
+def local_world() -> int:
+    """Ranks on this machine: torchrun's LOCAL_WORLD_SIZE, SLURM's tasks per node, else WORLD_SIZE."""
+    for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def rank_device(local_rank: int) -> torch.device:
+    """The device of a rank: its own GPU (shared ones wrap round), or the CPU without GPUs."""
+    gpus = gpu_count()
+    return torch.device("cuda", local_rank % gpus) if gpus else torch.device("cpu")
+
+
+def backend(share: bool) -> str:
+    """NCCL for one GPU per rank; gloo on CPUs and when ranks share GPUs (NCCL refuses two ranks on one GPU)."""
+    return "nccl" if gpu_count() and not share else "gloo"

@@ -1,0 +1,70 @@
+"""devices.py: more ranks than GPUs are refused in the launching process with one line naming --share-gpu; with
+it (or MCP_SHARE_GPU=1) ranks share the GPUs over gloo. On a CPU machine the GPU count is patched; on a GPU
+machine the refusal runs for real (tests/test_gpu.py runs the algorithms in the shared mode)."""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron_cp_plugin import devices
+
+
+@pytest.fixture
+def one_gpu(monkeypatch):
+    monkeypatch.setattr(devices, "gpu_count", lambda: 1)
+    monkeypatch.delenv(devices.SHARE_ENV, raising=False)
+
+
+def test_more_ranks_than_gpus_need_the_opt_in(one_gpu, monkeypatch):
+    line = devices.too_many_ranks(2, devices.sharing())
+    assert line is not None and "--share-gpu" in line and "1 GPU" in line and "\n" not in line
+    assert devices.too_many_ranks(1, False) is None                    # fits
+    assert devices.too_many_ranks(4, devices.sharing(True)) is None    # the flag
+    monkeypatch.setenv(devices.SHARE_ENV, "1")
+    assert devices.sharing() and devices.too_many_ranks(4, devices.sharing()) is None   # torchrun / SLURM
+    assert devices.backend(True) == "gloo" and devices.backend(False) == "nccl"
+    assert devices.rank_device(3) == torch.device("cuda", 0)          # every rank on the one GPU
+    monkeypatch.setattr(devices, "gpu_count", lambda: 0)
+    assert devices.too_many_ranks(8, False) is None and devices.backend(False) == "gloo"   # CPU ranks
+
+
+def test_the_launcher_refuses_before_any_rank_starts(one_gpu, capsys, tmp_path):
+    import importlib
+    launch = importlib.import_module("megatron_cp_plugin.training.launch")   # the package exports a launch()
+
+    started = []
+    args = argparse.Namespace(nproc=2, share_gpu=False, result_json=str(tmp_path / "r.json"),
+                              context_parallel_algo="ring", context_parallel_size=2, seq_length=256, config=None)
+    with pytest.raises(SystemExit) as e:
+        launch.launch(args, started.append, prog="megatron-cp-generate")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and started == [] and len(err) == 1, err
+    assert err[0].startswith("megatron-cp-generate: error: --nproc 2: ") and "--share-gpu" in err[0]
+    assert '"exit_code": 2' in (tmp_path / "r.json").read_text()
+
+
+def test_bench_model_refuses_before_any_run(one_gpu):
+    from megatron_cp_plugin.bench import model
+
+    with pytest.raises(SystemExit, match="megatron-cp-bench: error: --nproc 2: .*--share-gpu"):
+        model.main(["--nproc", "2", "--algos", "ring"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() != 1,
+                    reason="needs exactly one GPU: the real refusal of --nproc 2 without --share-gpu")
+def test_on_one_gpu_nproc_2_is_refused_in_one_line_and_runs_with_the_flag(tmp_path):
+    env = {**os.environ, devices.SHARE_ENV: "0"}
+    base = [sys.executable, "-W", "ignore", "-m", "megatron_cp_plugin.pretrain", "--nproc", "2", "--num-layers", "1",
+            "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "128", "--train-iters", "2",
+            "--bf16", "--context-parallel-algo", "ring"]
+    r = subprocess.run(base, capture_output=True, text=True, timeout=120, env=env)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and "--share-gpu" in lines[0], r.stderr[-2000:]
+    r = subprocess.run(base + ["--share-gpu"], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert devices.NOT_REPRESENTATIVE in r.stdout and "iter      2" in r.stdout
