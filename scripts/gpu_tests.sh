@@ -3,7 +3,7 @@
 # ranks in the shared-GPU mode (gloo with CUDA tensors on one device). Prints a summary with the device and the
 # counts, writes $OUT/gpu_tests.log and $OUT/junit.xml, exits non-zero on any failure.
 # Needs the megatron-core wheel in .whl/ where the GPU image has none (docs/testing.md).
-#   OUT=dir bash scripts/gpu_tests.sh [pytest args]
+#   OUT=dir bash scripts/gpu_tests.sh [pytest args]        (TESTS="tests/a.py tests/b.py": those files only)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results}; mkdir -p "$OUT"
@@ -17,7 +17,7 @@ DEVICE=$(python3 -c "import torch; print(torch.cuda.get_device_name(0) if torch.
 WORKERS=${WORKERS:-$(( $(nproc) > 16 ? 12 : $(nproc) * 3 / 4 ))}
 start=$SECONDS
 timeout "${LIMIT:-570}" python3 -m pytest -q -n "$WORKERS" --timeout 500 -p no:cacheprovider \
-  --junitxml "$OUT/junit.xml" tests "$@" 2>&1 | tee "$OUT/gpu_tests.log"
+  --junitxml "$OUT/junit.xml" ${TESTS:-tests} "$@" 2>&1 | tee "$OUT/gpu_tests.log"
 rc=${PIPESTATUS[0]}
 counts=$(grep -E "^[0-9]+ (passed|failed)|[0-9]+ (passed|failed).* in " "$OUT/gpu_tests.log" | tail -1)
 echo "gpu_tests: $(date -u +%F) on $DEVICE, $((SECONDS - start)) s, ${WORKERS} workers: ${counts:-no summary} (rc=$rc)" | tee "$OUT/summary.txt"

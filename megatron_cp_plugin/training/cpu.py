@@ -102,6 +102,20 @@ class _Event(_Stream):
         pass
 
 
+def finish_coalesced_collectives() -> None:
+    """Megatron's coalesced collectives (DDP buckets, Megatron-FSDP's prefetch) complete before they return
+    (see the module docstring; ranks sharing a GPU need more: training/shared_gpu.py)."""
+    import importlib
+    for name in ("megatron.core.distributed.param_and_grad_buffer",
+                 "megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:                       # a megatron-core without this module
+            continue
+        if hasattr(module, "_coalescing_manager"):
+            module._coalescing_manager = _coalesced_in_order
+
+
 def install_cuda_on_cpu() -> bool:
     """Install the CPU stand-ins (idempotent) when there is no GPU; returns whether they are active."""
     global _mode
@@ -119,15 +133,7 @@ def install_cuda_on_cpu() -> bool:
         cuda.stream = lambda *a, **k: contextlib.nullcontext()
         # Megatron-FSDP warns once per rank that its device (the CPU) is not "cuda:0": expected here.
         logging.getLogger("megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp").setLevel(logging.ERROR)
-        import importlib
-        for name in ("megatron.core.distributed.param_and_grad_buffer",
-                     "megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer"):
-            try:
-                module = importlib.import_module(name)
-            except ImportError:                       # a megatron-core without this module
-                continue
-            if hasattr(module, "_coalescing_manager"):
-                module._coalescing_manager = _coalesced_in_order
+        finish_coalesced_collectives()
         _mode = _CudaOnCpu()
         _mode.__enter__()                             # for the rest of the process (training ranks only)
     return True
