@@ -59,6 +59,14 @@ def rank_device(local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank % gpus) if gpus else torch.device("cpu")
 
 
+def graphs_capture_collectives() -> bool:
+    """Whether a CUDA graph can hold this process group's collectives: NCCL's, yes; gloo's (ranks sharing a
+    GPU) stage through host memory, which a capture cannot contain, so decoding there runs eagerly."""
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_backend() == "nccl"
+
+
 def backend(share: bool) -> str:
     """NCCL for one GPU per rank; gloo on CPUs and when ranks share GPUs (NCCL refuses two ranks on one GPU)."""
     return "nccl" if gpu_count() and not share else "gloo"

@@ -11,7 +11,9 @@ if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site
 fi
-export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
+# MCP_FAULT_TIMEOUT: test_faults' --dist-timeout; ranks sharing the GPU start and step slower than CPU ranks
+# (8 s, the CPU value, timed out in gloo's first receive on an H100 while 12 test workers shared it).
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 MCP_FAULT_TIMEOUT=${MCP_FAULT_TIMEOUT:-25} PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 DEVICE=$(python3 -c "import torch; print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU')")
 # xdist workers: the suite is mostly process start-up and gloo ranks on the CPU cores (16 on the lent machines).
 WORKERS=${WORKERS:-$(( $(nproc) > 16 ? 12 : $(nproc) * 3 / 4 ))}

@@ -68,3 +68,30 @@ def test_on_one_gpu_nproc_2_is_refused_in_one_line_and_runs_with_the_flag(tmp_pa
     r = subprocess.run(base + ["--share-gpu"], capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     assert devices.NOT_REPRESENTATIVE in r.stdout and "iter      2" in r.stdout
+
+
+def _one_by_one_block(rank, world):
+    """In a pool rank (the patch stays in that process): collectives inside the stand-in manager are recorded
+    and waited for by the handle, as a coalesced handle's wait() would."""
+    import megatron.core.distributed.param_and_grad_buffer as buffers
+    import torch.distributed as dist
+
+    from megatron_cp_plugin.training import shared_gpu
+
+    shared_gpu.install()
+    assert buffers._coalescing_manager is shared_gpu.one_by_one
+    x, out = torch.full((4,), rank + 1.0), torch.empty(4 * world)
+    with buffers._coalescing_manager(None, async_ops=True) as cm:
+        buffers.dist_all_gather_func(out, x, async_op=True)      # Megatron's alias, bound at its import
+        dist.all_reduce(x, async_op=True)
+    recorded = len(cm.works)
+    cm.wait()
+    with buffers._coalescing_manager(None, async_ops=False) as sync:
+        dist.all_reduce(torch.ones(1), async_op=True)
+    return recorded, len(cm.works), len(sync.works), out.tolist(), x.tolist()
+
+
+def test_shared_gpu_runs_megatrons_coalesced_collectives_one_by_one(pools):
+    for rank, (recorded, left, left_sync, out, x) in enumerate(pools(2).run(_one_by_one_block)):
+        assert recorded == 2 and left == 0 and left_sync == 0
+        assert out == [1.0] * 4 + [2.0] * 4 and x == [3.0] * 4

@@ -50,5 +50,6 @@ def test_every_algorithm_grid_and_decode_variant_against_fp64(n):
 
 @pytest.mark.parametrize("n", (2, 3, 4))
 def test_packed_documents_every_algorithm_against_fp64(n):
-    tokens = ("32760" if n == 3 else "32768") if n <= GPUS else "8400"    # a multiple of 2P = 4, 6, 8
-    _torchrun(n, "packed_nccl_check.py", "--tokens", tokens, "--mean-doc", "512")
+    # tokens - 8 x mean-doc - 2 units must divide by the unit 2P = 4, 6, 8 (the check's long document is 8 x mean)
+    tokens = ("32760" if n == 3 else "32768") if n <= GPUS else "8400"
+    _torchrun(n, "packed_nccl_check.py", "--tokens", tokens, "--mean-doc", "384")

@@ -215,7 +215,8 @@ def test_packed_bench_on_gloo(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = {r["algo"]: r for r in json.loads((tmp_path / "packed.json").read_text())["rows"]}
-    assert rows["single-GPU varlen (math)"]["fwd_bwd_x_varlen"] == 1.0
+    single = [r for name, r in rows.items() if name.startswith("single-GPU varlen (")]   # math on CPUs, FA2 on GPUs
+    assert len(single) == 1 and single[0]["fwd_bwd_x_varlen"] == 1.0
     for algo in mcp.ALGORITHMS:
         for kind in ("packed", "unpacked"):
             assert rows[f"{algo} {kind}"]["fwd_bwd_ms"] > 0 and rows[f"{algo} {kind}"]["MB_sent_fwd_bwd"] > 0

@@ -88,7 +88,8 @@ def model_bench(a, rank: int, world: int, dev, bw: float) -> None:
     # 1. graph vs eager tokens from one prefill (a fresh decoder each, the same weights and prompt).
     prompt = torch.randint(0, 257, (1, a.check_context), generator=torch.Generator().manual_seed(7)).to(dev)
     toks = {}
-    modes = ("graph", "eager") if dev.type == "cuda" else ("eager",)
+    from .. import devices
+    modes = ("graph", "eager") if dev.type == "cuda" and devices.graphs_capture_collectives() else ("eager",)
     for mode in modes:
         dec = StaticDecoder(model, group, batch=1, capacity=-(-(a.check_context + a.tokens) // world),
                             graphed=mode == "graph")

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..training.config import build_parser, parse_with_configs, transformer_config, validate_args
+from .. import devices
 from ..training.launch import launch
 from .checkpoint import (MODEL_ARGS, apply_model_args, check_loadable, checkpoint_path, load_weights, model_args_of,
                          set_unless_given)
@@ -65,6 +66,9 @@ def _args(argv=None):
             set_unless_given(args, given, defaults)
     except ValueError as e:                        # one line naming the flag, before any process starts
         p.error(str(e))
+    if args.decode_mode == "graph" and (args.nproc or 1) > 1 and devices.sharing(args.share_gpu):
+        p.error("--decode-mode graph: ranks sharing a GPU (--share-gpu) talk gloo, which a CUDA graph cannot "
+                "capture; use --decode-mode eager (the default there)")
     for name, lo in (("max_new_tokens", 1), ("batch_size", 1)):
         if getattr(args, name) < lo:
             p.error(f"--{name.replace('_', '-')} must be >= {lo}")
@@ -95,9 +99,11 @@ def _generate(args) -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
     tok = ByteTokenizer(args.vocab_size)
     ids = _prompt_ids(args, tok)
-    graphed = (args.decode_mode or ("graph" if gpu else "eager")) == "graph"
-    if graphed and not gpu:
-        raise ValueError("--decode-mode graph needs a GPU (CUDA graphs); use --decode-mode eager")
+    graphs = gpu and devices.graphs_capture_collectives()       # not with ranks sharing a GPU (gloo)
+    graphed = (args.decode_mode or ("graph" if graphs else "eager")) == "graph"
+    if graphed and not graphs:
+        raise ValueError("--decode-mode graph needs a GPU per rank (CUDA graphs of NCCL collectives); use "
+                         "--decode-mode eager")
     args.seq_length = len(ids) + args.max_new_tokens
     args.seq_length += -args.seq_length % (2 * world)       # only sizes the RoPE table; prompts of any length
     cp_cfg = validate_args(args, world)

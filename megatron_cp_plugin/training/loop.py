@@ -32,9 +32,6 @@ def train(args) -> list[float]:
         check_resumable(args)                          # a checkpoint of another layout fails here, not mid-load
     gpu = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
-    if gpu and dist.get_backend() == "gloo":           # ranks sharing a GPU (devices.py)
-        from . import shared_gpu
-        shared_gpu.install()
     if not gpu:
         from .cpu import install_cuda_on_cpu
         install_cuda_on_cpu()

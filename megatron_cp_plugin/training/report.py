@@ -55,7 +55,8 @@ def start_record(args, world: int, cp_cfg, device, n_params: int, vocab: int, fl
     _RESULT = {
         "algo": cp_cfg.algo, "cp_size": args.context_parallel_size, "tp_size": args.tensor_model_parallel_size,
         "dp_size": args.data_parallel_size, "world_size": world, "nodes": max(1, world // max(1, local)),
-        "ranks_per_node": local, "gpus": world if device.type == "cuda" else 0, "device": device.type,
+        "ranks_per_node": local, "device": device.type,
+        "gpus": 0 if device.type != "cuda" else min(world, devices.gpu_count()) if devices.sharing() else world,
         "shared_gpu": device.type == "cuda" and devices.sharing(),     # timings then say nothing of speed
         "gpu_name": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         "cp_grid": args.cp_grid, "cp_gpus_per_node": args.cp_gpus_per_node,

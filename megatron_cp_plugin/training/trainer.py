@@ -13,6 +13,7 @@ import hashlib
 import os
 
 import torch
+import torch.distributed as dist
 
 from .config import document_unit, sharding_strategy, transformer_config
 
@@ -78,6 +79,9 @@ class Trainer:
         from ..megatron.tokenizer import ByteTokenizer, padded_vocab_size
 
         self.args, self.cp_cfg, self.device = args, cp_cfg, device
+        if device.type == "cuda" and dist.get_backend() == "gloo":     # ranks sharing a GPU (devices.py)
+            from . import shared_gpu
+            shared_gpu.install()
         self.gpu = device.type == "cuda"
         self.fsdp = sharding_strategy(args)            # None: Megatron's DDP
         self.distributed_optimizer = bool(args.use_distributed_optimizer or self.fsdp)
