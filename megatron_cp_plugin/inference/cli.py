@@ -22,6 +22,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from ..algos.registry import any_divisor
 from ..training.config import build_parser, parse_with_configs, transformer_config, validate_args
 from ..training.launch import launch
 from .checkpoint import (MODEL_ARGS, apply_model_args, check_loadable, checkpoint_path, load_weights, model_args_of,
@@ -99,7 +100,7 @@ def _generate(args) -> None:
     if graphed and not gpu:
         raise ValueError("--decode-mode graph needs a GPU (CUDA graphs); use --decode-mode eager")
     args.seq_length = len(ids) + args.max_new_tokens
-    args.seq_length += -args.seq_length % (2 * world)       # only sizes the RoPE table; prompts of any length
+    args.seq_length += -args.seq_length % any_divisor(world)   # only sizes the RoPE table; prompts of any length
     cp_cfg = validate_args(args, world)
     ps.initialize_model_parallel(tensor_model_parallel_size=args.tensor_model_parallel_size,
                                  context_parallel_size=args.context_parallel_size)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..algos import layout_of
+from ..algos import registry
 from ..sharding import sequence_positions
 
 
@@ -120,10 +120,6 @@ def _sample(logits, temperature: float, top_p: float, generator):
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-def _prefill_multiple(algo: str, world: int) -> int:
-    return world if layout_of(algo) == "cyclic" else 2 * world
-
-
 @torch.no_grad()
 def generate(model, prompt: torch.Tensor, *, max_new_tokens: int, state: DecodeState, algo: str,
              temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, on_token=None) -> torch.Tensor:
@@ -138,7 +134,7 @@ def generate(model, prompt: torch.Tensor, *, max_new_tokens: int, state: DecodeS
     b, L = prompt.shape
     dev = prompt.device
     model.eval()
-    L0 = L - L % _prefill_multiple(algo, P)
+    L0 = L - L % registry.divisor(algo, P)
     state.mode, state.cache, state.reserve = "prefill", {}, L - L0 + max_new_tokens
     row = None
     if L0:

@@ -31,12 +31,13 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..algos import registry
 from ..algos.ring_decode import ring_decode
 from ..algos.tree_decode import VARIANTS, tree_decode
 from ..kernels.flash_decode import Workspace
 from ..kernels.rope_append import rope_append
 from ..sharding import sequence_positions
-from .generate import _prefill_multiple, install_decode_state
+from .generate import install_decode_state
 from .sampling import check_sampling, sample
 
 log = logging.getLogger("megatron_cp_plugin.inference")
@@ -183,7 +184,7 @@ class StaticDecoder:
 
         b, L = prompt.shape
         P = self.world
-        L0 = L - L % _prefill_multiple(algo, P)
+        L0 = L - L % registry.divisor(algo, P)
         self.reset(0, 0)
         if not L0:
             return None

@@ -17,7 +17,7 @@ from megatron.core import parallel_state
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
-from ..algos import context_parallel_attention, layout_of
+from ..algos import context_parallel_attention, registry
 from ..algos.ring_decode import ring_decode
 from ..algos.tree_decode import tree_decode
 from ..comm import get_grid
@@ -32,10 +32,10 @@ class CPCoreAttention(MegatronModule):
 
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
-                 cp_comm_type: str | None = None, pg_collection=None, *, algo: str = "ring",
+                 cp_comm_type: str | None = None, pg_collection=None, *, algo: str,
                  grid: tuple[int, int] | None = None, gpus_per_node: int | None = None, backend: str | None = None):
         super().__init__(config=config)
-        layout_of(algo)                                          # ValueError for an unknown algo
+        row = registry.get(algo)                                 # ValueError for an unknown algo
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         if dropout:
             raise ValueError(f"attention_dropout = {dropout}: context-parallel attention has no dropout; "
@@ -50,7 +50,7 @@ class CPCoreAttention(MegatronModule):
         self.softmax_scale = softmax_scale if softmax_scale is not None else config.softmax_scale
         cp = pg_collection.cp if pg_collection is not None else parallel_state.get_context_parallel_group()
         self.group = cp
-        if layout_of(algo) == "cyclic":                         # built now, on every CP rank in step
+        if row.grid:                                             # built now, on every CP rank in step
             h = config.num_attention_heads
             self.group = get_grid(cp, grid, h=h, h_kv=config.num_query_groups or h, gpus_per_node=gpus_per_node)
 

@@ -21,7 +21,8 @@ import inspect
 import torch
 from torch import nn
 
-from ..sharding import layout_of, sequence_positions
+from ..algos.registry import layout_of
+from ..sharding import layout_positions, sequence_positions
 from .attention import packed_offsets
 
 
@@ -69,7 +70,7 @@ class CPRotaryEmbedding(nn.Module):
             total, rank = offs[-1], self.cp_group.rank()
             full = self._full_table(max(b - a for a, b in zip(offs, offs[1:])), offset)
             starts = torch.tensor(offs[:-1]).repeat_interleave(torch.tensor(offs[1:]) - torch.tensor(offs[:-1]))
-            read = sequence_positions(total, algo="ring", rank=rank, world_size=size, cu_seqlens=offs)
+            read = layout_positions(total, "zigzag", rank=rank, world_size=size, cu_seqlens=offs)  # Megatron's rows
             mine = sequence_positions(total, algo=self.algo, rank=rank, world_size=size, cu_seqlens=offs)
             table = full.new_zeros((total,) + tuple(full.shape[1:]))
             table[read.to(full.device)] = full[(mine - starts[mine]).to(full.device)]
