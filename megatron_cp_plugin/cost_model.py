@@ -144,7 +144,7 @@ def ring_family_cost(algo: str, pb: Problem, hw: Hardware, rank: int | None = No
     _, n_q, n_kv, n_r, e, acc = _sizes(pb)
     F, B = attention_flops(pb)
     link = phase_link([list(range(P))], hw, p2p=True)
-    # Forward (ring.py _forward, also burst's): K, V round the ring; the slowest rank (P - 1 under zigzag
+    # Forward (ring.py ring_forward, also burst's): K, V round the ring; the slowest rank (P - 1 under zigzag
     # causal) merges all its rows at every step.
     m_kv = 2 * n_kv * e
     cf = F / P / hw.fwd_tflops
