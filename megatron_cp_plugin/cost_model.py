@@ -27,9 +27,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from .algos import ALGORITHMS, BASELINES
-
-A2D = tuple(a for a in ALGORITHMS if a.startswith("attention2d"))
+from .algos import registry
 from .comm import attention2d_bytes, choose_grid, grid_rank, kv_moves, wire_bytes
 # Re-exported: `cost_model` is the one import path for the whole model (hardware, attention, decode).
 from .cost_decode import (DECODE_METHODS, GRAPH_LATENCY_RATIO, GRAPH_LAUNCH_S, LAUNCH_S,  # noqa: F401
@@ -94,7 +92,7 @@ class Problem:
 
     def feasible(self, algo: str) -> bool:
         """Whether `algo`'s layout can shard seq_len (zigzag: 2P chunks; cyclic: P)."""
-        return self.seq_len % (self.world if algo.startswith("attention2d") else 2 * self.world) == 0
+        return self.seq_len % registry.divisor(algo, self.world) == 0
 
 
 @dataclass(frozen=True)
@@ -140,12 +138,13 @@ def _sizes(pb: Problem):
 
 
 # ----------------------------------------------------------------------------------------------- ring, burst
-def _ring_family(algo: str, pb: Problem, hw: Hardware) -> Prediction:
+def ring_family_cost(algo: str, pb: Problem, hw: Hardware, rank: int | None = None) -> Prediction:
+    """The cost-model entry of ring, burst and ring-te (every rank sends the same: `rank` does not matter)."""
     P = pb.world
     _, n_q, n_kv, n_r, e, acc = _sizes(pb)
     F, B = attention_flops(pb)
     link = phase_link([list(range(P))], hw, p2p=True)
-    # Forward (ring.py _forward, also burst's): K, V round the ring; the slowest rank (P - 1 under zigzag
+    # Forward (ring.py ring_forward, also burst's): K, V round the ring; the slowest rank (P - 1 under zigzag
     # causal) merges all its rows at every step.
     m_kv = 2 * n_kv * e
     cf = F / P / hw.fwd_tflops
@@ -185,7 +184,9 @@ def _row_major(pb: Problem, gpus_per_node: int | None) -> bool:
     return bool(pb.node_aware and gpus_per_node is not None and gpus_per_node % C == 0)
 
 
-def _attention2d(algo: str, pb: Problem, hw: Hardware, rank: int | None = None) -> Prediction:
+def attention2d_cost(algo: str, pb: Problem, hw: Hardware, rank: int | None = None) -> Prediction:
+    """The cost-model entry of attention2d-no and -o on pb's grid (None: choose_grid's); `rank` picks a rank's
+    bytes (its K, V may or may not move in the permutation), None the largest."""
     P = pb.world
     R, C = pb.attention2d_grid()
     row_major = _row_major(pb, hw.gpus_per_node)
@@ -259,33 +260,26 @@ def _attention2d(algo: str, pb: Problem, hw: Hardware, rank: int | None = None) 
 
 # ----------------------------------------------------------------------------------------------- public
 def predict(algo: str, pb: Problem, hw: Hardware) -> Prediction:
-    """Predicted forward / backward seconds, bytes and FLOPs of `algo` (one of ALGORITHMS or BASELINES) on `hw`."""
-    if algo not in ALGORITHMS + BASELINES:
-        raise ValueError(f"algo must be one of {ALGORITHMS + BASELINES}, got {algo!r}")
+    """Predicted forward / backward seconds, bytes and FLOPs of `algo` (an algorithm or a baseline) on `hw`."""
+    row = registry.get(algo)
     if not isinstance(pb, Problem) or not isinstance(hw, Hardware):
         raise ValueError("predict(algo, problem: Problem, hardware: Hardware)")
     if not pb.feasible(algo):
         raise ValueError(f"seq_len {pb.seq_len} cannot be sharded for {algo} over {pb.world} ranks "
-                         f"(zigzag needs a multiple of 2P, cyclic of P)")
-    if algo.startswith("attention2d"):
-        return _attention2d(algo, pb, hw)
-    return _ring_family(algo, pb, hw)
+                         f"(its {row.layout} layout needs a multiple of {row.divisor(pb.world)})")
+    return row.predict(algo, pb, hw)
 
 
 def comm_bytes(algo: str, pb: Problem, *, gpus_per_node: int | None = None, rank: int | None = None) -> tuple[int, int]:
     """(forward, backward) bytes one rank sends in `algo`, as its CommStats counts them. Attention2D: the grid
     is placed row-major when pb.node_aware and `gpus_per_node` (CPGrid's argument) is a multiple of C; `rank`
     picks a rank (its K, V may or may not move in the permutation), None the largest."""
-    if algo not in ALGORITHMS + BASELINES:
-        raise ValueError(f"algo must be one of {ALGORITHMS + BASELINES}, got {algo!r}")
+    row = registry.get(algo)
     if rank is not None and not 0 <= rank < pb.world:
         raise ValueError(f"rank must be in [0, {pb.world}), got {rank}")
     hw = dataclasses.replace(HARDWARE["h200-nvlink"], gpus_per_node=gpus_per_node or 1 << 20)
-    if algo.startswith("attention2d"):
-        pred = _attention2d(algo, dataclasses.replace(pb, node_aware=pb.node_aware and gpus_per_node is not None),
-                            hw, rank)
-    else:
-        pred = _ring_family(algo, pb, hw)
+    pred = row.predict(algo, dataclasses.replace(pb, node_aware=pb.node_aware and gpus_per_node is not None), hw,
+                       rank)
     return pred.fwd_bytes, pred.bwd_bytes
 
 
@@ -317,20 +311,20 @@ GRID_TIME_TIE = 0.05
 """Relative predicted-time difference below which best_grid prefers fewer bytes to a faster prediction."""
 
 
-def choose_algo(problem: Problem, hardware: Hardware, candidates=ALGORITHMS) -> tuple[str, dict[str, float]]:
-    """The candidate with the smallest predicted time (fwd + bwd, or fwd when not problem.backward), and every
-    feasible candidate's prediction in seconds; Attention2D on its `best_grid` (the caller runs it there).
-    Ties go to the earlier candidate."""
-    cands = tuple(candidates)
+def choose_algo(problem: Problem, hardware: Hardware, candidates=None) -> tuple[str, dict[str, float]]:
+    """The candidate (None: every algorithm of algos/registry.py) with the smallest predicted time (fwd + bwd, or
+    fwd when not problem.backward), and every feasible candidate's prediction in seconds; a grid algorithm on
+    its `best_grid` (the caller runs it there). Ties go to the earlier candidate."""
+    cands = registry.names() if candidates is None else tuple(candidates)
     if not cands:
         raise ValueError("choose_algo: candidates is empty")
     for a in cands:
-        if a not in ALGORITHMS:
-            raise ValueError(f"candidates must be among {ALGORITHMS}, got {a!r}")
+        if a not in registry.names():
+            raise ValueError(f"candidates must be among {registry.names()}, got {a!r}")
     times = {}
     for a in cands:
         if problem.feasible(a):
-            pb = dataclasses.replace(problem, grid=best_grid(a, problem, hardware)) if a in A2D else problem
+            pb = dataclasses.replace(problem, grid=best_grid(a, problem, hardware)) if registry.get(a).grid else problem
             times[a] = _seconds(a, pb, hardware)
     if not times:
         raise ValueError(f"seq_len {problem.seq_len} cannot be sharded over {problem.world} ranks by any of {cands}")

@@ -11,13 +11,6 @@ from .training.config import (build_parser, load_config_files, parse_args, parse
 from .training.launch import compare_cp1, launch, main, run_rank
 from .training.report import flops_per_iter, memory_gb
 
-# The names these had when they were private to this module (megatron-cp-generate and older scripts).
-_validate = validate_args
-_recompute_kwargs = recompute_kwargs
-_flops_per_iter = flops_per_iter
-_memory_gb = memory_gb
-_run = run_rank
-_compare_cp1 = compare_cp1
 _LAZY = {"Trainer": "trainer", "train": "loop"}
 
 

@@ -1,6 +1,6 @@
 """Which tokens each context-parallel rank holds, and moving between full and sharded tensors.
 
-Layouts:
+Layouts (which algorithm uses which: its row in algos/registry.py):
   zigzag (ring, burst; Megatron's own): the sequence is cut into 2P chunks and rank r holds chunks r and
          2P-1-r, in that order, so every rank does the same causal work. Megatron's
          `get_batch_on_this_cp_rank` and RoPE slicer assume exactly this.
@@ -20,34 +20,20 @@ import functools
 import torch
 import torch.distributed as dist
 
+from .algos import registry
 from .comm import resolve_group
-
-LAYOUTS = {"ring": "zigzag", "burst": "zigzag", "attention2d-no": "cyclic", "attention2d-o": "cyclic",
-           "ring-te": "zigzag"}
-
-
-def layout_of(algo: str) -> str:
-    """The sequence layout of `algo` ("zigzag" or "cyclic"); ValueError for an unknown algo."""
-    if algo not in LAYOUTS:
-        raise ValueError(f"algo must be one of {tuple(LAYOUTS)}, got {algo!r}")
-    return LAYOUTS[algo]
-
-
-def _divisor(layout: str, world_size: int) -> int:
-    return 2 * world_size if layout == "zigzag" else world_size
 
 
 def document_unit(algo: str, world_size: int) -> int:
     """The multiple every packed document's length must be for `algo` over `world_size` ranks: 2P (zigzag), P
     (cyclic); 1 on a single rank, where every layout is the identity."""
-    return 1 if world_size == 1 else _divisor(layout_of(algo), world_size)
+    return registry.document_unit(algo, world_size)
 
 
-def _check_len(seq_len: int, layout: str, world_size: int, what: str) -> None:
-    div = _divisor(layout, world_size)
-    if seq_len % div != 0:
-        raise ValueError(f"{what} = {seq_len} must be divisible by {div} for the {layout} layout over "
-                         f"{world_size} ranks")
+def algo_documents(cu_seqlens, *, algo: str, world_size: int, total: int | None = None) -> tuple[int, ...]:
+    """`document_offsets` checked against `algo`'s document unit over `world_size` ranks."""
+    return document_offsets(cu_seqlens, unit=document_unit(algo, world_size), total=total,
+                            why=registry.unit_words(algo, world_size))
 
 
 def document_offsets(cu_seqlens, *, unit: int = 1, total: int | None = None, why: str = "") -> tuple[int, ...]:
@@ -88,12 +74,6 @@ def _checked(offs: tuple[int, ...], unit: int, total: int | None, why: str) -> t
     return offs
 
 
-def _unit_words(algo: str, world_size: int) -> str:
-    layout = layout_of(algo)
-    ranks = f"2 x {world_size} ranks" if layout == "zigzag" else f"{world_size} ranks"
-    return f" ({ranks}: the {layout} unit of algo={algo!r})"
-
-
 def _packed_positions(offs: tuple[int, ...], layout: str, rank: int, world: int) -> torch.Tensor:
     """Global token index of each local row: document by document, each in `layout`, on `rank` of `world`."""
     offs_t = torch.tensor(offs, dtype=torch.long)
@@ -112,16 +92,30 @@ def _packed_positions(offs: tuple[int, ...], layout: str, rank: int, world: int)
 
 
 def sequence_positions(seq_len: int, *, algo: str, rank: int, world_size: int, cu_seqlens=None) -> torch.Tensor:
-    """LongTensor [seq_len // world_size]: the global token index of each local row of `rank`. With `cu_seqlens`
-    (int32 [n_docs + 1], cu_seqlens[-1] == seq_len) every document is laid out on its own."""
-    layout = layout_of(algo)
+    """LongTensor [seq_len // world_size]: the global token index of each local row of `rank` in `algo`'s layout.
+    With `cu_seqlens` (int32 [n_docs + 1], cu_seqlens[-1] == seq_len) every document is laid out on its own."""
+    if cu_seqlens is not None:
+        cu_seqlens = algo_documents(cu_seqlens, algo=algo, world_size=world_size, total=seq_len)
+    else:
+        registry.check_length(seq_len, algo, world_size, "seq_len")
+    return layout_positions(seq_len, registry.layout_of(algo), rank=rank, world_size=world_size,
+                            cu_seqlens=cu_seqlens)
+
+
+def layout_positions(seq_len: int, layout: str, *, rank: int, world_size: int, cu_seqlens=None) -> torch.Tensor:
+    """`sequence_positions` of a layout ("zigzag", "cyclic": registry.CHUNKS_PER_RANK) rather than of an algorithm:
+    for what follows a layout whatever the algorithm (Megatron's THD RoPE reads zigzag rows: megatron/rope.py)."""
+    if layout not in registry.CHUNKS_PER_RANK:
+        raise ValueError(f"layout must be one of {tuple(registry.CHUNKS_PER_RANK)}, got {layout!r}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+    div = registry.CHUNKS_PER_RANK[layout] * world_size
     if cu_seqlens is not None:
-        offs = document_offsets(cu_seqlens, unit=document_unit(algo, world_size), total=seq_len,
-                                why=_unit_words(algo, world_size))
+        offs = document_offsets(cu_seqlens, unit=div if world_size > 1 else 1, total=seq_len)
         return _packed_positions(offs, layout, rank, world_size)
-    _check_len(seq_len, layout, world_size, "seq_len")
+    if seq_len % div:
+        raise ValueError(f"seq_len = {seq_len} must be divisible by {div} for the {layout} layout over {world_size} "
+                         f"ranks")
     if layout == "cyclic":
         return torch.arange(rank, seq_len, world_size)
     c = seq_len // (2 * world_size)
@@ -135,7 +129,7 @@ def shard_sequence(x: torch.Tensor, *, algo: str, group=None, dim: int = 1, cu_s
     group = resolve_group(group)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if cu_seqlens is None:
-        _check_len(x.shape[dim], layout_of(algo), world, f"x.shape[{dim}]")
+        registry.check_length(x.shape[dim], algo, world, f"x.shape[{dim}]")
     pos = sequence_positions(x.shape[dim], algo=algo, rank=rank, world_size=world, cu_seqlens=cu_seqlens)
     return x.index_select(dim, pos.to(x.device))
 
@@ -145,7 +139,7 @@ def unshard_sequence(x: torch.Tensor, *, algo: str, group=None, dim: int = 1, cu
     as given to `shard_sequence`)."""
     group = resolve_group(group)
     world = dist.get_world_size(group)
-    layout_of(algo)
+    registry.get(algo)
     seq_len = x.shape[dim] * world
     pos = torch.cat([sequence_positions(seq_len, algo=algo, rank=r, world_size=world, cu_seqlens=cu_seqlens)
                      for r in range(world)])                 # validated before the collective

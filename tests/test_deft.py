@@ -28,6 +28,10 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
 
+def _leaves(tree):
+    return [u for u in tree.nodes() if not tree.children[u]]
+
+
 def random_tree(seed, n_nodes=9, max_depth=5, spare=7):
     """parents, node_slots (a shuffled page table), query_node, query_seen, num_slots: uneven node lengths
     (empty and 1-token nodes too); queries at the ends of nodes and at every token of short (speculative) nodes."""
@@ -138,7 +142,7 @@ def test_decode_tree_branch_append_prune_frees_slots():
     a, b = t.branch(root, 2)
     assert t.append(a, [4, 5]) == [3, 4] and t.append(b, [6]) == [5]
     c = t.add_node(a, [7])
-    assert t.path_tokens(c) == [1, 2, 3, 4, 5, 7] and t.leaves() == [b, c] and t.ancestors(c) == [root, a]
+    assert t.path_tokens(c) == [1, 2, 3, 4, 5, 7] and _leaves(t) == [b, c] and t.ancestors(c) == [root, a]
     freed = t.prune(a)                                   # a and its child c
     assert sorted(freed) == [3, 4, 6] and len(t.free) == 10 - 4 and t.nodes() == [root, b]
     assert sorted(t.append(b, [8, 9, 10])) == [3, 4, 6]   # freed slots are reused
@@ -217,7 +221,7 @@ def _tree_vs_branches(rank, world, backend, dtype):
     best = tot_bfs(TreeDecoder(model, t4, backend=backend), prompt, depth=2, width=2, branch=2, thought_len=2)
     kept = t2.nodes()
     return (errs, spec == greedy, len(kept), len(t2.free) + len(t2.tokens[kept[0]]),
-            [len(x) for x in shot.values()], len(t4.leaves()), len(best), len(t4.free))
+            [len(x) for x in shot.values()], len(_leaves(t4)), len(best), len(t4.free))
 
 
 @pytest.mark.parametrize("backend,dtype,tol", [pytest.param("deft", torch.float32, 1e-4, marks=needs_triton),

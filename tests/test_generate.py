@@ -48,6 +48,10 @@ def _generate(rank, world, algo, temperature=0.0, prompt_len=L, decoder="tree"):
     out = generate(model, prompt, max_new_tokens=NEW, state=state, algo=cp.algo, temperature=temperature,
                    top_p=0.9, seed=5)
     shard_len = state.cache[1].n if state.cache else 0
+    from megatron_cp_plugin.inference.hooks import core_owners
+    from megatron_cp_plugin.megatron import CPCoreAttention, CPRotaryEmbedding
+    assert all(type(m.core_attention) is CPCoreAttention for m in core_owners(model))   # generation's stand-ins
+    assert type(model.rotary_pos_emb) is CPRotaryEmbedding                              # are gone again
     return out.tolist(), shard_len
 
 

@@ -31,6 +31,19 @@ def test_recorded_model_args_fill_every_flag_and_a_disagreeing_flag_is_named():
         apply_model_args(args, ckpt, {"hidden_size", "num_layers"}, DEFAULTS)
 
 
+def test_help_lists_what_generation_uses_and_training_flags_still_parse(capsys):
+    from megatron_cp_plugin.inference.cli import _args
+
+    with pytest.raises(SystemExit):
+        _args(["--help"])
+    out = capsys.readouterr().out
+    assert "--max-new-tokens" in out and "--num-layers" in out and "--context-parallel-algo" in out
+    assert "--lr" not in out and "--train-iters" not in out and "--save-interval" not in out
+    assert len(out.splitlines()) < 130                            # 202 lines when it listed the training flags
+    args = _args(["--prompt", "x", "--lr", "0.5", "--train-iters", "3"])   # a training --config sets these
+    assert (args.lr, args.train_iters, args.context_parallel_algo) == (0.5, 3, "attention2d")
+
+
 def test_inferred_shapes_check_the_head_flags_against_the_qkv_rows():
     inferred = {"num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 256, "vocab_size": 257, "_qkv_rows": 96}
     args = _ns(num_attention_heads=8, num_query_groups=2)        # (8 + 2 * 2) * 8 = 96 rows

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import megatron_cp_plugin as mcp
-from megatron_cp_plugin.kernels.local_attn import MASKS, _unsupported, block_bwd, block_fwd, select_backend
+from megatron_cp_plugin.kernels.local_attn import MASKS, unsupported, block_bwd, block_fwd, select_backend
 from megatron_cp_plugin.kernels.reference import attention_reference
 from megatron_cp_plugin.kernels.segments import Segments, strict_view
 
@@ -131,7 +131,7 @@ def test_varlen_bad_input_raises(case, needle):
 
 def test_packed_backend_selection():
     assert select_backend(torch.device("cpu"), torch.bfloat16, 64, packed=True) == "math"
-    assert "varlen" in _unsupported("cudnn", torch.device("cuda"), torch.bfloat16, 64, packed=True)
+    assert "varlen" in unsupported("cudnn", torch.device("cuda"), torch.bfloat16, 64, packed=True)
     with pytest.raises(ValueError, match="backend='cudnn'.*varlen"):
         block_fwd(*_inputs(1, 8, 8, 4, 2, 16, torch.float32)[:3], backend="cudnn", cu_seqlens_q=(0, 8))
 
@@ -170,7 +170,7 @@ FUSED_CASES = [(m, s) for m in MASKS for s in ("mixed", "long")] + [("none", "qk
 def test_fused_varlen_matches_reference_on_gpu(backend, mask, segs, h, hk):
     """bf16 fused varlen kernels (one call per block) against fp64: within 2x the error of the dense kernel
     run document by document, and no worse than 2e-2."""
-    if _unsupported(backend, torch.device("cuda"), torch.bfloat16, 64, packed=True):
+    if unsupported(backend, torch.device("cuda"), torch.bfloat16, 64, packed=True):
         pytest.skip(f"{backend} cannot run here")
     cu_q = cu_k = {"mixed": SEGS["mixed"], "long": (0, 1000, 1001, 1003, 2600), "qk": (0, 100, 101, 260)}[segs]
     if segs == "qk":

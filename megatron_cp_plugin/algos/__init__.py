@@ -1,4 +1,4 @@
-"""The context-parallel attention algorithms, their sequence layouts, and the validated public entry point."""
+"""The context-parallel attention algorithms (one row each in registry.py) and the validated public entry point."""
 from __future__ import annotations
 
 import torch
@@ -6,29 +6,24 @@ import torch.distributed as dist
 
 from ..comm import CommStats, CPGrid, get_grid, resolve_group
 from ..kernels.local_attn import select_backend
-from ..sharding import LAYOUTS, _unit_words, document_offsets, document_unit, layout_of
+from ..sharding import algo_documents
+from . import registry
 from ._packing import Packing
-from .attention2d import attention2d_no
-from .attention2d_o import attention2d_o
-from .burst import burst_attention
-from .ring import ring_attention, ring_te_attention
+from .registry import layout_of, names
 
-_IMPLS = {"ring": ring_attention, "burst": burst_attention, "attention2d-no": attention2d_no,
-          "attention2d-o": attention2d_o}
-ALGORITHMS = tuple(_IMPLS)
-"""What users train with (--context-parallel-algo, choose_algo)."""
-BASELINES = ("ring-te",)
+ALGORITHMS = names()
+"""What users train with (--context-parallel-algo, choose_algo): the built-in rows of algos/registry.py (rows
+registered later are in `registry.names()`)."""
+BASELINES = tuple(r.name for r in registry.rows(baselines=True) if r.baseline)
 """What benchmarks compare against: `ring-te`, the ring with TransformerEngine's p2p byte budget (algos/ring.py);
 context_parallel_attention runs it too."""
-_IMPLS["ring-te"] = ring_te_attention
-assert set(_IMPLS) == set(LAYOUTS), "every algorithm needs its layout in sharding.LAYOUTS"
 __all__ = ["ALGORITHMS", "BASELINES", "context_parallel_attention", "layout_of"]
 
 
 def _check_inputs(q, k, v, algo, group, softmax_scale, backend, cu_seqlens):
     """Every check that can fail, done locally before any communication so that no rank is left waiting.
     Returns (group or grid, Packing or None)."""
-    layout = layout_of(algo)
+    row = registry.get(algo)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"{name} must be a 4-D tensor [batch, seq, heads, head_dim], got "
@@ -57,14 +52,13 @@ def _check_inputs(q, k, v, algo, group, softmax_scale, backend, cu_seqlens):
         if b != 1:
             raise ValueError(f"cu_seqlens: packed sequences have batch 1 (documents are concatenated along seq), "
                              f"got q {tuple(q.shape)}")
-        offs = document_offsets(cu_seqlens, unit=document_unit(algo, world), total=world * s,
-                                why=_unit_words(algo, world))
-        packing = Packing.of(offs, world)
-    elif layout == "zigzag" and s % 2 != 0:
-        raise ValueError(f"q: the local sequence length {s} must be even: the full sequence (P * s = {world * s}) "
-                         f"must be divisible by 2P = {2 * world} for the zigzag layout of algo={algo!r}")
+        packing = Packing.of(algo_documents(cu_seqlens, algo=algo, world_size=world, total=world * s), world)
+    elif (world * s) % row.divisor(world):
+        raise ValueError(f"q: the local sequence length {s} does not shard evenly: the full sequence (P * s = "
+                         f"{world * s}) must be divisible by {row.divisor(world)} for the {row.layout} layout of "
+                         f"algo={algo!r}")
     select_backend(q.device, q.dtype, d, backend, packed=packing is not None)
-    if layout == "cyclic":
+    if row.grid:
         return grid or get_grid(group, h=h, h_kv=k.shape[2]), packing
     return group, packing
 
@@ -87,5 +81,5 @@ def context_parallel_attention(q, k, v, *, algo: str, group=None, causal: bool =
     """
     group, packing = _check_inputs(q, k, v, algo, group, softmax_scale, backend, cu_seqlens)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    return _IMPLS[algo](q, k, v, group=group, causal=causal, softmax_scale=scale, backend=backend,
+    return registry.get(algo).run(q, k, v, group=group, causal=causal, softmax_scale=scale, backend=backend,
                         comm_stats=comm_stats, packing=packing)

@@ -36,7 +36,7 @@ import torch
 
 from ..comm import CommStats, CPGrid, all_gather, all_to_all, kv_moves, permute, reduce_at_owner
 from ..kernels.local_attn import acc_dtype, attention_delta, block_bwd, block_fwd, surrogate_out
-from ..kernels.merge import _finite, merge_
+from ..kernels.merge import finite_lse, merge_
 from ._function import CPAttention
 
 
@@ -69,7 +69,7 @@ def attn_fix_all_to_all(grid: CPGrid, o_part, lse_part, stats=None):
     if grid.cols == 1:
         return o_part[0], lse_part[0]
     o_all, lse_all = all_to_all(grid.row, [o_part, lse_part], stats)
-    m = _finite(lse_all.amax(0))                                    # AttnFix (Alg. 2), at the owner
+    m = finite_lse(lse_all.amax(0))                                    # AttnFix (Alg. 2), at the owner
     w = torch.exp(lse_all - m)                                      # [C, b, h, s]
     den = w.sum(0)
     o = (o_all * w.transpose(2, 3).unsqueeze(-1)).sum(0)

@@ -3,7 +3,7 @@ which K, V stay put while Q, dQ, dO, D, lse circulate.
 
 Forward: Alg. 1 (GAO): K, V travel the ring; local results merge into (O_i, lse_i) by online softmax; the
 local operation is a flash kernel (LAO, Sec. 3.4), so no S or P is ever stored. This is exactly the ring
-baseline's forward, so it is `ring._forward`.
+baseline's forward, so it is `ring.ring_forward`.
 Backward: Alg. 2: D_i = rowsum(dO_i o O_i) (line 2); (Q_j, dQ_j, dO_j, D_j, lse_j) travel the ring (line 3-6,
 16); each rank recomputes P_{j,i} = exp(S_{j,i} - lse_j) against its own K_i, V_i and accumulates dK_i, dV_i
 locally and dQ_j into the travelling accumulator (lines 8-14); dQ_j ends on its owner. We send the dQ
@@ -25,7 +25,7 @@ from ..comm import CommStats, Ring
 from ..kernels.local_attn import acc_dtype, attention_delta, block_bwd, surrogate_out
 from ._function import CPAttention, in_zigzag_order, saving_inputs
 from ._zigzag import zigzag_blocks
-from .ring import _forward
+from .ring import ring_forward
 
 
 def _backward(group, do, q, k, v, o, lse, *, causal, scale, backend, stats=None, packing=None):
@@ -86,4 +86,4 @@ def burst_attention(q, k, v, *, group, causal: bool = True, softmax_scale: float
     """BurstAttention on validated zigzag shards: q [b, s, h, d], k, v [b, s, h_kv, d] -> [b, s, h, d]
     (`packing`: the `_packing.Packing` of a packed sequence, each document zigzagged on its own)."""
     return in_zigzag_order(packing, causal, q, k, v, lambda q, k, v: CPAttention.apply(
-        q, k, v, saving_inputs(_forward), _backward, group, causal, softmax_scale, backend, comm_stats, packing))
+        q, k, v, saving_inputs(ring_forward), _backward, group, causal, softmax_scale, backend, comm_stats, packing))

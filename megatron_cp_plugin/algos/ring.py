@@ -25,7 +25,7 @@ from ._function import CPAttention, in_zigzag_order, saving_inputs
 from ._zigzag import ALL, zigzag_blocks
 
 
-def _forward(group, q, k, v, *, causal, scale, backend, stats=None, packing=None):
+def ring_forward(group, q, k, v, *, causal, scale, backend, stats=None, packing=None):
     """q [b, s, h, d], k, v [b, s, h_kv, d] (zigzag shards) -> (o [b, s, h, d] in q.dtype, lse [b, h, s] fp32)."""
     ring = Ring(group, "forward", stats)
     P, r, s = ring.world, ring.rank, q.shape[1]
@@ -102,7 +102,7 @@ def ring_attention(q, k, v, *, group, causal: bool = True, softmax_scale: float,
     """Zigzag ring attention on validated shards: q [b, s, h, d], k, v [b, s, h_kv, d] -> [b, s, h, d]
     (`packing`: the `_packing.Packing` of a packed sequence, each document zigzagged on its own)."""
     return in_zigzag_order(packing, causal, q, k, v, lambda q, k, v: CPAttention.apply(
-        q, k, v, saving_inputs(_forward), _backward, group, causal, softmax_scale, backend, comm_stats, packing))
+        q, k, v, saving_inputs(ring_forward), _backward, group, causal, softmax_scale, backend, comm_stats, packing))
 
 
 def _backward_te(group, do, q, k, v, o, lse, **kw):
@@ -114,4 +114,4 @@ def ring_te_attention(q, k, v, *, group, causal: bool = True, softmax_scale: flo
     """`ring_attention` with TransformerEngine's p2p byte budget (dK, dV travel in the input dtype): the
     benchmark's and cost model's `ring-te` baseline."""
     return in_zigzag_order(packing, causal, q, k, v, lambda q, k, v: CPAttention.apply(
-        q, k, v, saving_inputs(_forward), _backward_te, group, causal, softmax_scale, backend, comm_stats, packing))
+        q, k, v, saving_inputs(ring_forward), _backward_te, group, causal, softmax_scale, backend, comm_stats, packing))

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from ..comm import all_gather, resolve_group
 from ..kernels import flash_decode as fd
 from ..kernels.local_attn import decode_fwd
-from ..kernels.merge import _finite, merge_
+from ..kernels.merge import finite_lse, merge_
 
 VARIANTS = ("allreduce3", "allreduce2", "allgather")
 DEFAULT_VARIANT = "allgather"    # fastest eager at 32k-512k on 2 x H200 (docs/results/decode.md): one collective + one fused merge kernel
@@ -153,7 +153,7 @@ def tree_merge(o: torch.Tensor, lse: torch.Tensor, *, group=None, variant: str =
 def _allreduce(group, o, lse, packed: bool):
     m = lse.clone()
     dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)              # line 3
-    m = _finite(m)
+    m = finite_lse(m)
     w = torch.exp(lse - m)                                             # line 4: d
     n = o * w.transpose(1, 2).unsqueeze(-1)                            #         n
     if packed:

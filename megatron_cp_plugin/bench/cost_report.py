@@ -25,7 +25,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..algos import ALGORITHMS
+from ..algos.registry import names
 from . import cost_scale
 from ..cost_model import (DECODE_METHODS, FA2_H100, HARDWARE, DecodeProblem, Hardware, Problem, choose_algo,
                           predict, predict_decode)
@@ -189,7 +189,7 @@ def _node_aware_best(pb: Problem, hw: Hardware) -> Problem:
 
 
 def _speedups(pb: Problem, hw: Hardware) -> tuple[float, str]:
-    t = {a: predict(a, pb, hw).total_s for a in ALGORITHMS}
+    t = {a: predict(a, pb, hw).total_s for a in names()}
     return t["ring"], f"{t['ring'] / t['attention2d-no']:.1f} / {t['ring'] / t['attention2d-o']:.1f}"
 
 
@@ -256,9 +256,9 @@ def table_node8(hw_names=("h200-nvlink", "h200-sockets")) -> list[Table]:
                 for h in (16, 32):
                     for hk in (h, h // 4):
                         pb = Problem(S, P, h, hk, node_aware=False)
-                        t = {a: predict(a, pb, hw) for a in ALGORITHMS}
+                        t = {a: predict(a, pb, hw) for a in names()}
                         rows.append({"P": P, "S": _k(S), "h/h_kv": f"{h}/{hk}",
-                                     **{a: f"{_ms(t[a].fwd_s * 1e3)} / {_ms(t[a].total_s * 1e3)}" for a in ALGORITHMS},
+                                     **{a: f"{_ms(t[a].fwd_s * 1e3)} / {_ms(t[a].total_s * 1e3)}" for a in names()},
                                      "grid": _grid(t["attention2d-no"]), "auto": choose_algo(pb, hw)[0]})
         out.append(Table(f"{hw_name}: b = 1, d = 128, bf16, causal; ms per layer (fwd / fwd+bwd); default grid, "
                          "column-major (as bench.cp_attention runs it); 'auto' = choose_algo's pick for fwd+bwd", rows))
@@ -291,7 +291,7 @@ def table_decode(hw_names=("h200-nvlink", "h200-sockets")) -> list[Table]:
 def table_problem(pb: Problem, hw: Hardware) -> Table:
     """Every feasible algorithm's prediction for one problem, and choose_algo's pick."""
     rows = []
-    for algo in ALGORITHMS:
+    for algo in names():
         if pb.feasible(algo):
             r = predict(algo, pb, hw)
             rows.append({"algo": algo, "grid": _grid(r), "fwd ms": r.fwd_s * 1e3, "fwd+bwd ms": r.total_s * 1e3,

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 import megatron_cp_plugin as mcp
-from megatron_cp_plugin.algos import BASELINES
+from megatron_cp_plugin.algos import registry
 from megatron_cp_plugin.bench.anchors import Unavailable, builders
 from megatron_cp_plugin.bench._common import (FLOP_FORMULA, attention_flop, gather_max, init_distributed, time_ms,
                                               write_report)
@@ -77,7 +77,7 @@ def main(argv=None):
     p.add_argument("--kv-heads", type=int, default=None)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--no-causal", action="store_true")
-    p.add_argument("--algos", nargs="+", default=list(mcp.ALGORITHMS) + list(BASELINES),
+    p.add_argument("--algos", nargs="+", default=list(registry.names(baselines=True)),
                    help="our algorithms and baselines to run (default: all, ring-te included)")
     p.add_argument("--anchors", nargs="*", default=None, help="external anchors to run (default: all of "
                    "bench/anchors.py; none with an empty list)")

@@ -15,7 +15,7 @@ import torch
 
 from megatron_cp_plugin.bench._common import time_ms, write_report
 from megatron_cp_plugin.kernels.flash_decode import flash_decode
-from megatron_cp_plugin.kernels.local_attn import _unsupported, block_fwd
+from megatron_cp_plugin.kernels.local_attn import unsupported, block_fwd
 
 
 def copy_bandwidth(dev) -> float:
@@ -45,7 +45,7 @@ def main(argv=None):
         kv_bytes = 2 * k.numel() * k.element_size()
         kernels = {"flash_decode (split-KV, Triton)": lambda: flash_decode(q, k, v)}
         for be in ("cudnn", "flash"):
-            if not _unsupported(be, dev, dtype, a.head_dim):
+            if not unsupported(be, dev, dtype, a.head_dim):
                 kernels[f"{be} (prefill kernel)"] = lambda be=be: block_fwd(q, k, v, backend=be)
         base = None
         for name, fn in kernels.items():

@@ -13,7 +13,7 @@ import argparse
 import torch
 
 from megatron_cp_plugin.bench._common import FLOP_FORMULA, attention_flop, time_ms, write_report
-from megatron_cp_plugin.kernels.local_attn import BACKENDS, _unsupported, block_bwd, block_fwd
+from megatron_cp_plugin.kernels.local_attn import BACKENDS, unsupported, block_bwd, block_fwd
 from megatron_cp_plugin.kernels.merge import merge_
 
 
@@ -35,7 +35,7 @@ def main(argv=None):
             causal = mask == "causal"
             base = {}
             for be in BACKENDS:
-                if _unsupported(be, dev, dtype, a.head_dim) or (be == "math" and s > a.math_max_seq):
+                if unsupported(be, dev, dtype, a.head_dim) or (be == "math" and s > a.math_max_seq):
                     continue
                 fwd = lambda: block_fwd(q, k, v, mask=mask, backend=be)  # noqa: E731
                 t1 = time_ms(fwd)

@@ -22,6 +22,7 @@ import sys
 import torch
 
 import megatron_cp_plugin as mcp
+from megatron_cp_plugin.algos import registry
 from megatron_cp_plugin.bench._common import time_ms, write_report
 
 
@@ -52,7 +53,7 @@ def _run(nproc: int, flags: list[str], out_json: str) -> dict:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, default=max(1, torch.cuda.device_count()), help="CP size (GPUs)")
-    p.add_argument("--algos", nargs="+", default=list(mcp.ALGORITHMS))
+    p.add_argument("--algos", nargs="+", default=list(registry.names()), choices=registry.names())
     p.add_argument("--no-cp1", action="store_true", help="skip the CP = 1 baseline (when it does not fit)")
     p.add_argument("--out", default="results/model")
     a, flags = p.parse_known_args(argv)

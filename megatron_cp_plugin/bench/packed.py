@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 import megatron_cp_plugin as mcp
+from megatron_cp_plugin.algos import registry
 from megatron_cp_plugin.bench._common import (FLOP_FORMULA, attention_flop, gather_max, init_distributed, time_ms,
                                               write_report)
 from megatron_cp_plugin.kernels.local_attn import block_bwd, block_fwd, select_backend
@@ -77,7 +78,7 @@ def main(argv=None):
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--kv-heads", type=int, default=None)
     p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--algos", nargs="+", default=list(mcp.ALGORITHMS), choices=mcp.ALGORITHMS)
+    p.add_argument("--algos", nargs="+", default=list(registry.names()), choices=registry.names())
     p.add_argument("--no-unpacked", action="store_true", help="skip the unpacked contrast rows")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)

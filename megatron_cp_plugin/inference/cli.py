@@ -4,8 +4,8 @@
     torchrun --nproc-per-node 2 -m megatron_cp_plugin.inference.cli --load ckpt/ --prompt-file p.txt --bf16
     megatron-cp-generate --config configs/gpt3-760m.toml --prompt-ids 1,2,3 --decode-mode eager
 
-The flags are megatron-cp-pretrain's, and --config reads the same TOML files (keys = flag names; the command
-line overrides them). With --load the model arguments come from the checkpoint (a model flag that disagrees
+The model and context-parallel flags are megatron-cp-pretrain's (its training flags are accepted, so that
+--config reads the same TOML files, but not listed; keys = flag names; the command line overrides them). With --load the model arguments come from the checkpoint (a model flag that disagrees
 with it is an error naming the flag); without, the weights are random (seeded by --seed). The prompt is
 byte-level text (--prompt, --prompt-file) or token ids (--prompt-ids), repeated --batch-size times. Prefill
 uses --context-parallel-algo; decoding is a static step (inference/static.py), replayed as one CUDA graph per
@@ -15,6 +15,7 @@ KV shard bytes) / the GPU's memory bandwidth.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
@@ -22,6 +23,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from ..algos.registry import any_divisor
 from ..training.config import build_parser, parse_with_configs, transformer_config, validate_args
 from .. import devices
 from ..training.launch import launch
@@ -29,8 +31,19 @@ from .checkpoint import (MODEL_ARGS, apply_model_args, check_loadable, checkpoin
                          set_unless_given)
 
 
+GENERATION_USES = MODEL_ARGS + (
+    "help", "verbose", "max_position_embeddings", "context_parallel_size", "tensor_model_parallel_size", "bf16",
+    "load", "seed", "tokenizer_type", "make_vocab_size_divisible_by", "dist_timeout", "nproc", "deterministic_mode",
+    "context_parallel_algo", "cp_grid", "cp_gpus_per_node", "cp_hardware")
+"""megatron-cp-pretrain's flags that generation reads; --help lists these, the generation flags and --config. The
+others still parse (a training --config file sets them) and do nothing here."""
+
+
 def _args(argv=None):
     p = build_parser(__doc__)
+    for action in p._actions:                      # argparse keeps no public list of a parser's flags
+        if action.dest not in GENERATION_USES:
+            action.help = argparse.SUPPRESS
     p.add_argument("--config", nargs="+", default=None, metavar="FILE",
                    help="TOML files of flag defaults (keys = flag names without --), as megatron-cp-pretrain's")
     g = p.add_argument_group("generation")
@@ -105,7 +118,7 @@ def _generate(args) -> None:
         raise ValueError("--decode-mode graph needs a GPU per rank (CUDA graphs of NCCL collectives); use "
                          "--decode-mode eager")
     args.seq_length = len(ids) + args.max_new_tokens
-    args.seq_length += -args.seq_length % (2 * world)       # only sizes the RoPE table; prompts of any length
+    args.seq_length += -args.seq_length % any_divisor(world)   # only sizes the RoPE table; prompts of any length
     cp_cfg = validate_args(args, world)
     ps.initialize_model_parallel(tensor_model_parallel_size=args.tensor_model_parallel_size,
                                  context_parallel_size=args.context_parallel_size)

@@ -8,16 +8,21 @@ other) and attends with `tree_decode`; the logits are then identical on every ra
 No rank ever holds another rank's part of the cache.
 
     state = DecodeState(cp_group)
-    install_decode_state(model, state)          # after install_cp_rope; training is unaffected while idle
     tokens = generate(model, prompt [b, L], max_new_tokens=32, state=state, algo="ring")   # [b, 32]
+
+The model's modules are left as they are: each forward of generation runs with stand-ins in the attention and
+RoPE slots (inference/hooks.py), the same way as the static and the tree decoders.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from ..algos import layout_of
+from ..algos import registry
+from ..algos.ring_decode import ring_decode
+from ..algos.tree_decode import tree_decode
 from ..sharding import sequence_positions
+from .hooks import KeepPrefill, PositionRope, core_owners, swapped
 
 
 class KVShard:
@@ -61,11 +66,10 @@ class KVShard:
 
 
 class DecodeState:
-    """Shared by every layer's core attention and the RoPE wrapper of one model during generation.
+    """What every layer's decode step shares during one generation.
 
-    mode: None (training / plain forward), "prefill" or "decode"; position: the global position of the token
-    being decoded; cache: layer number -> KVShard (this rank's part only). reserve: decode tokens to
-    preallocate room for (generate() sets it from max_new_tokens).
+    position: the global position of the token being decoded; cache: layer number -> KVShard (this rank's part
+    only). reserve: decode tokens to preallocate room for (generate() sets it from max_new_tokens).
     decoder: "tree" (tree_decode, `variant`) or "ring" (the ring-decode baseline: K, V shards go round).
     """
 
@@ -73,7 +77,6 @@ class DecodeState:
         if decoder not in ("tree", "ring"):
             raise ValueError(f"decoder must be 'tree' or 'ring' (the ring-decode baseline), got {decoder!r}")
         self.cp_group, self.variant, self.decoder = cp_group, variant, decoder
-        self.mode: str | None = None
         self.position = 0
         self.reserve = 0
         self.cache: dict[int, KVShard] = {}
@@ -98,14 +101,36 @@ class DecodeState:
 
 
 def install_decode_state(model, state: DecodeState):
-    """Point every CPCoreAttention and the CP RoPE wrapper of `model` at `state`; returns model."""
+    """Check that `model` (a GPTModel from build_gpt, possibly wrapped) can be decoded with `state`: its layers'
+    core attention is CPCoreAttention. generate() checks it too, so calling this first is optional; returns model."""
     from ..megatron.attention import CPCoreAttention
-    from ..megatron.rope import CPRotaryEmbedding
 
-    for m in model.modules():
-        if isinstance(m, (CPCoreAttention, CPRotaryEmbedding)):
-            m.decode_state = state
+    if not any(isinstance(m.core_attention, CPCoreAttention) for m in core_owners(model)):
+        raise ValueError("model: no CPCoreAttention layers (build it with megatron_cp_plugin.megatron.build_gpt)")
+    if not isinstance(state, DecodeState):
+        raise ValueError(f"state must be a DecodeState, got {type(state).__name__}")
     return model
+
+
+class _DecodeCore(torch.nn.Module):
+    """A layer's core attention during an eager decode step: one new token [1, b, ., hn], replicated; its K, V
+    go to the shard of rank position mod P, and it attends with tree decoding (or the ring-decode baseline)."""
+
+    def __init__(self, inner, state: DecodeState):
+        super().__init__()
+        self.inner, self.state = inner, state
+
+    def forward(self, query, key, value, attention_mask=None, **_):
+        state, layer, scale = self.state, self.inner.layer_number, self.inner.softmax_scale
+        q, k, v = (x.transpose(0, 1) for x in (query, key, value))
+        ck, cv, cpos = state.append(layer, k, v)
+        if state.decoder == "ring":                   # the baseline: every shard padded to the longest, passed round
+            ck, cv, cpos = state.cache[layer].view(-(-(state.position + 1) // state.cp_group.size()))
+            o = ring_decode(q, ck, cv, group=state.cp_group, softmax_scale=scale, kv_positions=cpos)
+        else:
+            kw = {"variant": state.variant} if state.variant else {}
+            o = tree_decode(q, ck, cv, group=state.cp_group, softmax_scale=scale, validate=False, **kw)
+        return o.transpose(0, 1).reshape(query.shape[0], query.shape[1], -1)
 
 
 def _sample(logits, temperature: float, top_p: float, generator):
@@ -118,10 +143,6 @@ def _sample(logits, temperature: float, top_p: float, generator):
         keep = sorted_p.cumsum(-1) - sorted_p < top_p                 # the smallest set reaching top_p
         probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p * keep)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-
-
-def _prefill_multiple(algo: str, world: int) -> int:
-    return world if layout_of(algo) == "cyclic" else 2 * world
 
 
 @torch.no_grad()
@@ -138,13 +159,15 @@ def generate(model, prompt: torch.Tensor, *, max_new_tokens: int, state: DecodeS
     b, L = prompt.shape
     dev = prompt.device
     model.eval()
-    L0 = L - L % _prefill_multiple(algo, P)
-    state.mode, state.cache, state.reserve = "prefill", {}, L - L0 + max_new_tokens
+    install_decode_state(model, state)
+    L0 = L - L % registry.divisor(algo, P)
+    state.cache, state.reserve = {}, L - L0 + max_new_tokens
     row = None
     if L0:
         # Prefill: the prompt in the algorithm's layout; each layer keeps its shard of K, V.
         pos = sequence_positions(L0, algo=algo, rank=rank, world_size=P).to(dev)
-        logits = model(prompt[:, :L0].index_select(1, pos), pos.expand(b, -1), None)   # [b, L0 / P, vocab]
+        with swapped(model, core=lambda c, i: KeepPrefill(c, state.store_prefill, group)):
+            logits = model(prompt[:, :L0].index_select(1, pos), pos.expand(b, -1), None)   # [b, L0 / P, vocab]
         last = (pos == L0 - 1).nonzero()
         row = (logits[:, last[0, 0]].float().contiguous() if len(last)
                else torch.zeros(b, logits.shape[-1], device=dev))
@@ -152,8 +175,8 @@ def generate(model, prompt: torch.Tensor, *, max_new_tokens: int, state: DecodeS
             dist.all_reduce(row, group=group)                          # the last prefilled token's owner's row
     gen = torch.Generator(device=dev).manual_seed(seed)
     out = []
-    state.mode = "decode"
-    try:
+    position_t = torch.zeros(1, dtype=torch.long, device=dev)           # the RoPE row of the token being decoded
+    with swapped(model, core=lambda c, i: _DecodeCore(c, state), rope=lambda r: PositionRope(r, position_t)):
         for position in range(L0, L + max_new_tokens):
             if position >= L:                                          # a new token from the last logits
                 tok = _sample(row, temperature, top_p, gen)
@@ -165,8 +188,7 @@ def generate(model, prompt: torch.Tensor, *, max_new_tokens: int, state: DecodeS
             else:                                                      # the prompt's tail, one token a step
                 tok = prompt[:, position]
             state.position = position
+            position_t.fill_(position)
             logits = model(tok[:, None], torch.full((b, 1), position, device=dev, dtype=torch.long), None)
             row = logits[:, -1].float()
-    finally:
-        state.mode = None
     return torch.stack(out, 1)

@@ -24,30 +24,24 @@ for this context, P and mode (graphed or eager), logged once.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 
 import torch
 import torch.distributed as dist
 
+from ..algos import registry
 from ..algos.ring_decode import ring_decode
 from ..algos.tree_decode import VARIANTS, tree_decode
 from ..kernels.flash_decode import Workspace
 from ..kernels.rope_append import rope_append
 from ..sharding import sequence_positions
-from .generate import _prefill_multiple, install_decode_state
+from ..megatron.rope import RopeWrapper, gpt_of
+from .hooks import KeepPrefill, swapped
 from .sampling import check_sampling, sample
 
 log = logging.getLogger("megatron_cp_plugin.inference")
 WARMUP_STEPS = 2          # eager steps on a side stream before capture (Triton compiles, NCCL sets up)
-
-
-def gpt_of(model):
-    """The GPTModel inside wrappers (DDP, Float16Module: `.module`)."""
-    while not hasattr(model, "rotary_pos_emb") and hasattr(model, "module"):
-        model = model.module
-    return model
 
 
 class StaticCache:
@@ -123,7 +117,7 @@ class StaticDecoder:
         rope = getattr(gpt, "rotary_pos_emb", None)
         inner = getattr(rope, "inner", rope)
         self._inv_freq = None if inner is None else inner.inv_freq.to(dev)
-        self._rope_inner, self._gpt = inner, gpt
+        self._rope_inner = inner
         self._cos = self._sin = None                                        # this step's RoPE, [r / 2] fp32
         self.graph: torch.cuda.CUDAGraph | None = None
         self.position_host = self.fill_host = 0                            # host mirrors (no read-back)
@@ -178,39 +172,26 @@ class StaticDecoder:
     def prefill(self, prompt: torch.Tensor, algo: str):
         """Run the longest shardable prefix of prompt [b, L] with `algo`, keeping each layer's K, V shard in the
         cache. Returns the last prefilled token's logits [b, vocab] fp32 (None when nothing was prefilled)."""
-        from ..megatron.attention import CPCoreAttention
-        from ..megatron.rope import CPRotaryEmbedding
-
         b, L = prompt.shape
         P = self.world
-        L0 = L - L % _prefill_multiple(algo, P)
+        L0 = L - L % registry.divisor(algo, P)
         self.reset(0, 0)
         if not L0:
             return None
         index = {m.core_attention.layer_number: i for i, m in enumerate(self.owners)}
         cache = self.cache
 
-        class _Prefill:                                  # the interface CPCoreAttention's prefill hook expects
-            mode, cp_group = "prefill", self.group
-
-            @staticmethod
-            def store_prefill(layer, k, v, positions):
-                i, s = index[layer], k.shape[1]
-                cache.k[i, :, :s], cache.v[i, :, :s] = k, v
-                cache.pos[:, :s] = positions
+        def store(layer, k, v, positions):
+            i, s = index[layer], k.shape[1]
+            cache.k[i, :, :s], cache.v[i, :, :s] = k, v
+            cache.pos[:, :s] = positions
 
         pos = sequence_positions(L0, algo=algo, rank=self.rank, world_size=P).to(self.device)
         if pos.numel() > cache.capacity:
             raise ValueError(f"prompt: {pos.numel()} prefilled tokens on this rank exceed the capacity {cache.capacity}")
         self.model.eval()
-        hooked = [m for m in self.model.modules() if isinstance(m, (CPCoreAttention, CPRotaryEmbedding))]
-        before = [m.__dict__.get("decode_state") for m in hooked]
-        install_decode_state(self.model, _Prefill())
-        try:
+        with swapped(self.model, owners=self.owners, core=lambda c, i: KeepPrefill(c, store, self.group)):
             logits = self.model(prompt[:, :L0].index_select(1, pos), pos.expand(b, -1), None)   # [b, L0 / P, V]
-        finally:
-            for m, st in zip(hooked, before):                              # whatever was installed before
-                m.decode_state = st
         last = (pos == L0 - 1).nonzero()
         row = (logits[:, last[0, 0]].float().contiguous() if len(last)
                else torch.zeros(b, logits.shape[-1], device=self.device))
@@ -220,27 +201,15 @@ class StaticDecoder:
         return row
 
     # ------------------------------------------------------------------------------------------ the step
-    @contextlib.contextmanager
-    def _hooked(self):
-        """Swap each layer's core attention and the RoPE module for the static ones for the step's forward."""
-        saved = [m.core_attention for m in self.owners]
-        rope = getattr(self._gpt, "rotary_pos_emb", None)
-        try:
-            for i, m in enumerate(self.owners):
-                m.core_attention = _StaticCore(saved[i], i, self)
-            if rope is not None:
-                self._gpt.rotary_pos_emb = _StaticRope(rope, self)
-            yield
-        finally:
-            for m, c in zip(self.owners, saved):
-                m.core_attention = c
-            if rope is not None:
-                self._gpt.rotary_pos_emb = rope
-            self._cos = self._sin = None
+    def _swapped(self):
+        """The step's forward reaches the model through the static core attention and RoPE (inference/hooks.py)."""
+        return swapped(self.model, owners=self.owners, core=lambda c, i: _StaticCore(c, i, self),
+                       rope=lambda r: _StaticRope(r, self))
 
     def _body(self):
         """One decode step on device tensors only (what the graph captures)."""
         c, b = self.cache, self.batch
+        self._cos = self._sin = None                     # _StaticRope sets this step's (no RoPE: stays None)
         owner = torch.remainder(self.position, self.world) == self.rank                     # [1]
         # Over capacity (only warm-up steps can get there) the write lands in the scratch slot.
         self._slot = torch.where(owner, c.fill, c.capacity).clamp_(max=c.capacity)
@@ -261,14 +230,14 @@ class StaticDecoder:
         state = (self.position_host, self.fill_host, self.tokens.clone())
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), self._hooked():
+        with torch.cuda.stream(side), self._swapped():
             for _ in range(WARMUP_STEPS):
                 self._body()
         torch.cuda.current_stream().wait_stream(side)
         self.reset(*state[:2])
         self.tokens.copy_(state[2])
         graph = torch.cuda.CUDAGraph()
-        with self._hooked(), torch.cuda.graph(graph):
+        with self._swapped(), torch.cuda.graph(graph):
             self._body()
         self.graph = graph
 
@@ -285,7 +254,7 @@ class StaticDecoder:
                 self.capture()
             self.graph.replay()
         else:
-            with self._hooked():
+            with self._swapped():
                 self._body()
         self.fill_host += int(self.position_host % self.world == self.rank)
         self.position_host += 1
@@ -396,14 +365,14 @@ class _StaticCore(torch.nn.Module):
         return o.transpose(0, 1).reshape(query.shape[0], query.shape[1], -1)
 
 
-class _StaticRope(torch.nn.Module):
+class _StaticRope(RopeWrapper):
     """Stands in for the model's rotary embedding during the step: computes cos, sin of the position tensor
     (as Megatron's get_emb: position * inv_freq in fp32) for `_StaticCore` and gives Megatron no table, so its
     own RoPE kernels do not run. Interleaved RoPE: the [1, 1, 1, dim] table row, applied by Megatron."""
 
-    def __init__(self, outer, dec: StaticDecoder):
-        super().__init__()
-        self.outer, self.dec = outer, dec
+    def __init__(self, inner, dec: StaticDecoder):
+        super().__init__(inner)
+        self.dec = dec
 
     def forward(self, *_, **__):
         inner, dec = self.dec._rope_inner, self.dec
@@ -415,9 +384,3 @@ class _StaticRope(torch.nn.Module):
             return torch.stack((freqs, freqs), dim=-1).view(1, 1, 1, -1)
         dec._cos, dec._sin = torch.cos(freqs[0]), torch.sin(freqs[0])
         return None
-
-    def __getattr__(self, name):                                           # get_rotary_seq_len, ...
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self.outer, name)

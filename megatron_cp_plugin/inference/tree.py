@@ -14,7 +14,6 @@ runs DeFT, each new token seeing its node's ancestors and its own node up to its
 """
 from __future__ import annotations
 
-import contextlib
 import heapq
 import random
 
@@ -22,6 +21,7 @@ import torch
 
 from ..kernels.deft import DeftPlan, deft_attention, plan_deft
 from ..kernels.deft_reference import query_paths, tree_attention_reference
+from .hooks import PositionRope, swapped
 
 
 class DecodeTree:
@@ -100,9 +100,6 @@ class DecodeTree:
     def nodes(self) -> list[int]:
         return sorted(self.parent)
 
-    def leaves(self) -> list[int]:
-        return [u for u in self.nodes() if not self.children[u]]
-
     def ancestors(self, node: int) -> list[int]:
         """Root first, `node` excluded."""
         self._check(node)
@@ -179,25 +176,6 @@ class _DeftCore(torch.nn.Module):
         return o.reshape(query.shape[0], 1, -1)
 
 
-class _PositionRope(torch.nn.Module):
-    """Stands in for the model's rotary embedding: the table rows of each new token's position."""
-
-    def __init__(self, inner, positions: torch.Tensor):
-        super().__init__()
-        self.inner, self.positions = inner, positions
-
-    def forward(self, *_, **__):
-        n = int(self.positions.max()) + 1
-        table = self.inner._full_table(n, 0) if hasattr(self.inner, "_full_table") else self.inner(n)
-        return table.index_select(0, self.positions.to(table.device))
-
-    def __getattr__(self, name):                                   # get_rotary_seq_len, ...
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self.inner, name)
-
-
 class TreeDecoder:
     """Runs a GPTModel (CP size 1, batch 1) over tree steps with DeFT in every layer's core attention.
 
@@ -212,26 +190,6 @@ class TreeDecoder:
         cfg = model.config
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_query_groups or cfg.num_attention_heads
         self._plan = self._paths = self._new_slots = None
-
-    @contextlib.contextmanager
-    def _hooked(self, positions):
-        gpt = self.model
-        while not hasattr(gpt, "rotary_pos_emb") and hasattr(gpt, "module"):
-            gpt = gpt.module
-        owners = [m for m in self.model.modules() if isinstance(getattr(m, "core_attention", None), torch.nn.Module)]
-        saved = [m.core_attention for m in owners]
-        rope = getattr(gpt, "rotary_pos_emb", None)
-        try:
-            for i, m in enumerate(owners):
-                m.core_attention = _DeftCore(saved[i], getattr(saved[i], "layer_number", i + 1), self)
-            if rope is not None:
-                gpt.rotary_pos_emb = _PositionRope(rope, positions)
-            yield
-        finally:
-            for m, c in zip(owners, saved):
-                m.core_attention = c
-            if rope is not None:
-                gpt.rotary_pos_emb = rope
 
     @torch.no_grad()
     def step(self, feeds) -> torch.Tensor:
@@ -254,7 +212,8 @@ class TreeDecoder:
                                    split_len=self.split_len, device=dev)
         positions = torch.tensor(pos, dtype=torch.long, device=dev)
         self.model.eval()
-        with self._hooked(positions):
+        core = lambda c, i: _DeftCore(c, getattr(c, "layer_number", i + 1), self)  # noqa: E731
+        with swapped(self.model, core=core, rope=lambda r: PositionRope(r, positions)):
             logits = self.model(torch.tensor([ids], device=dev), positions[None], None)
         return logits[0].float()
 
@@ -277,16 +236,6 @@ def medusa_topology(t: int, *, top_k: int = 10, max_depth: int = 5, decay: float
             heapq.heappush(heap, (neg * decay ** d, tick, node, 0))
             tick += 1
     return parents
-
-
-def greedy(decoder: TreeDecoder, node: int, logits_row: torch.Tensor, n: int) -> list[int]:
-    """n greedy tokens appended to `node`, from the logits row of its last token."""
-    out = []
-    for _ in range(n):
-        tok = int(logits_row.argmax())
-        out.append(tok)
-        logits_row = decoder.step([(node, [tok])])[-1]
-    return out
 
 
 def few_shot(decoder: TreeDecoder, prompt, *, branches: int, steps: int) -> dict[int, list[int]]:

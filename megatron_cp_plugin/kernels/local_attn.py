@@ -46,7 +46,7 @@ import warnings
 import torch
 
 from . import flash_decode as fd
-from .math_attn import _empty_result, acc_dtype, attention_delta, math_bwd, math_fwd, math_segments
+from .math_attn import empty_result, acc_dtype, attention_delta, math_bwd, math_fwd, math_segments
 from .segments import Segments, index_tensor, nonempty, strict_view
 
 MASKS = ("none", "causal", "causal_strict")
@@ -67,8 +67,8 @@ def _flash_attn_module():
     return fai
 
 
-def _unsupported(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int,
-                 packed: bool = False) -> str | None:
+def unsupported(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int,
+                packed: bool = False) -> str | None:
     """Why `backend` cannot run this block (`packed`: with cu_seqlens), or None when it can."""
     if backend == "math":
         return None
@@ -100,7 +100,7 @@ def select_backend(device: torch.device, dtype: torch.dtype, head_dim: int, back
     if backend is not None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
-        why = _unsupported(backend, device, dtype, head_dim, packed)
+        why = unsupported(backend, device, dtype, head_dim, packed)
         if why:
             raise ValueError(f"backend={backend!r} cannot run this attention: it {why}")
         return backend
@@ -111,7 +111,7 @@ def select_backend(device: torch.device, dtype: torch.dtype, head_dim: int, back
     if torch.are_deterministic_algorithms_enabled():
         order = [name for name in order if name not in NONDETERMINISTIC_BWD]
     for name in order:
-        if _unsupported(name, device, dtype, head_dim, packed) is None:
+        if unsupported(name, device, dtype, head_dim, packed) is None:
             if name == "math" and device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
                 warnings.warn(f"no fused attention kernel for head dim {head_dim}: using the slow math kernel",
                               stacklevel=3)
@@ -145,18 +145,18 @@ def block_fwd(q, k, v, *, mask: str = "none", scale: float | None = None, backen
         if backend not in (None, "math"):
             raise ValueError(f"backend={backend!r} cannot run a tensor mask; use backend='math' or None")
         if q.shape[1] == 0 or k.shape[1] == 0:
-            return _empty_result(q)
+            return empty_result(q)
         return math_fwd(q, k, v, mask, scale, chunk_size)
     backend = select_backend(q.device, q.dtype, q.shape[-1], backend)
     sq = q.shape[1]
     if mask == "causal_strict":
         # j < i on (q, k) is j <= i on (q[1:], k[:-1]); row 0 sees nothing.
-        o, lse = _empty_result(q)
+        o, lse = empty_result(q)
         if sq > 1:
             o[:, 1:], lse[:, :, 1:] = _FWD[backend](q[:, 1:], k[:, :-1], v[:, :-1], True, scale, chunk_size)
         return o, lse
     if sq == 0 or k.shape[1] == 0:
-        return _empty_result(q)
+        return empty_result(q)
     return _FWD[backend](q, k, v, mask == "causal", scale, chunk_size)
 
 
@@ -211,7 +211,7 @@ def _pair(q, k, mask, cu_q, cu_k) -> tuple[Segments, Segments]:
 def _varlen_fwd(q, k, v, mask, scale, backend, chunk, sq: Segments, sk: Segments):
     backend = select_backend(q.device, q.dtype, q.shape[-1], backend, packed=True)
     if mask == "causal_strict":
-        o, lse = _empty_result(q)
+        o, lse = empty_result(q)
         if sq.rows > 1:
             view, dead = strict_view(sq)
             o_v, lse_v = _VARLEN_FWD[backend](q[:, 1:], k[:, :-1], v[:, :-1], view, view, True, scale, chunk)
@@ -223,7 +223,7 @@ def _varlen_fwd(q, k, v, mask, scale, backend, chunk, sq: Segments, sk: Segments
         return o, lse
     sq, sk = nonempty(sq, sk)
     if sq.rows == 0 or sk.rows == 0:
-        return _empty_result(q)
+        return empty_result(q)
     return _VARLEN_FWD[backend](q, k, v, sq, sk, mask == "causal", scale, chunk)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .merge import _finite, merge_
+from .merge import finite_lse, merge_
 from .segments import Segments
 
 
@@ -24,7 +24,7 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _empty_result(q):
+def empty_result(q):
     """(o, lse) of rows that see no key: o = 0, lse = -inf."""
     b, sq, h, _ = q.shape
     return torch.zeros_like(q), torch.full((b, h, sq), float("-inf"), dtype=acc_dtype(q.dtype), device=q.device)
@@ -80,7 +80,7 @@ def math_fwd(q, k, v, causal, scale, chunk, segs=None):
         for j0 in range(j_lo, j_hi, chunk):
             j1 = min(j0 + chunk, sk if segs is None else j_hi)
             s = _scores(qc, k[:, j0:j1].to(acc), scale, causal, i0, j0, segs)
-            m = _finite(s.amax(-1, keepdim=True))
+            m = finite_lse(s.amax(-1, keepdim=True))
             p = torch.exp(s - m)
             l = p.sum(-1)                                                     # [b, hk, g, cq]
             oc = torch.einsum("bhgqk,bkhd->bqhgd", p, v[:, j0:j1].to(acc))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 
-def _finite(lse: torch.Tensor) -> torch.Tensor:
+def finite_lse(lse: torch.Tensor) -> torch.Tensor:
     """lse with -inf replaced by 0, so that `x - lse` never forms -inf - (-inf)."""
     return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
 
@@ -23,7 +23,7 @@ def merge_(o: torch.Tensor, lse: torch.Tensor, o_blk: torch.Tensor, lse_blk: tor
     o_blk [b, s, h, d] any float dtype; lse_blk [b, h, s] fp32.
     """
     lse_new = torch.logaddexp(lse, lse_blk.to(lse.dtype))
-    ref = _finite(lse_new)
+    ref = finite_lse(lse_new)
     w_old = torch.exp(lse - ref).transpose(1, 2).unsqueeze(-1)      # [b, s, h, 1]
     w_blk = torch.exp(lse_blk.to(lse.dtype) - ref).transpose(1, 2).unsqueeze(-1)
     o.mul_(w_old).add_(o_blk.to(o.dtype) * w_blk)

@@ -11,22 +11,25 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-from ..algos import ALGORITHMS
+from ..algos import registry
 from ..cost_model import HARDWARE, Problem, best_grid, choose_algo
 
-A2D = tuple(a for a in ALGORITHMS if a.startswith("attention2d"))
-MODEL_CHOSEN = ("auto", "attention2d")
-"""Flag values the cost model resolves to a concrete algorithm."""
-ALGO_CHOICES = ("auto", "ring", "burst", "attention2d") + A2D
 DEFAULT_HARDWARE = "h200-nvlink"
 
 
-def add_cp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Megatron's `extra_args_provider` shape: adds the plugin's flags and returns the parser."""
+def _algo_help() -> str:
+    fams = "; ".join(f"{f}: the faster of {', '.join(m)} by the cost model" for f, m in registry.families().items())
+    return ("context-parallel attention algorithm; auto: the cost model's fastest for this model, CP size and "
+            f"--cp-hardware{'; ' + fams if fams else ''}")
+
+
+def add_cp_args(parser: argparse.ArgumentParser, default: str | None = None) -> argparse.ArgumentParser:
+    """Megatron's `extra_args_provider` shape: adds the plugin's flags and returns the parser. `default`: the
+    --context-parallel-algo of a run without the flag (None in Megatron-LM: the plugin stays off; the plugin's
+    own commands pass registry.DEFAULT_ALGO)."""
     g = parser.add_argument_group("context-parallel attention (megatron-cp-plugin)")
-    g.add_argument("--context-parallel-algo", choices=ALGO_CHOICES, default=None,
-                   help="context-parallel attention algorithm; auto: the cost model's fastest for this model, CP "
-                        "size and --cp-hardware; attention2d: the faster of attention2d-no and -o by the cost model")
+    g.add_argument("--context-parallel-algo", choices=registry.flag_choices(), default=default,
+                   help=_algo_help())
     g.add_argument("--cp-grid", default=None, metavar="RxC", help="Attention2D grid, rows x cols = CP size")
     g.add_argument("--cp-gpus-per-node", type=int, default=None, metavar="N",
                    help="GPUs per node: Attention2D keeps grid rows inside a node")
@@ -70,8 +73,8 @@ class CPConfig:
     """Predicted seconds per candidate (fwd + bwd of one layer's attention) when the cost model chose."""
 
     def __post_init__(self):
-        if self.algo not in ALGO_CHOICES:
-            raise ValueError(f"--context-parallel-algo must be one of {ALGO_CHOICES}, got {self.algo!r}")
+        if self.algo not in registry.flag_choices():
+            raise ValueError(f"--context-parallel-algo must be one of {registry.flag_choices()}, got {self.algo!r}")
         if not isinstance(self.cp_size, int) or self.cp_size < 1:
             raise ValueError(f"--context-parallel-size must be >= 1, got {self.cp_size}")
         if self.grid is not None and self.grid[0] * self.grid[1] != self.cp_size:
@@ -81,24 +84,25 @@ class CPConfig:
             raise ValueError(f"--cp-gpus-per-node must be >= 1, got {self.gpus_per_node}")
         if self.hardware not in HARDWARE:
             raise ValueError(f"--cp-hardware must be one of {sorted(HARDWARE)}, got {self.hardware!r}")
-        if self.algo in MODEL_CHOSEN:
+        if self.algo not in registry.names():
             self.requested = self.algo
             self.algo, self.predicted = self._choose()
-        if self.grid is not None and not self.algo.startswith("attention2d"):
-            raise ValueError(f"--cp-grid is for attention2d, not --context-parallel-algo {self.algo}")
+        if self.grid is not None and not registry.get(self.algo).grid:
+            grid_algos = ", ".join(r.name for r in registry.rows() if r.grid)
+            raise ValueError(f"--cp-grid is for the grid algorithms ({grid_algos}), not --context-parallel-algo "
+                             f"{self.algo}")
         if self.seq_length is not None:
-            div = self.cp_size if self.algo.startswith("attention2d") else 2 * self.cp_size
-            if self.seq_length % div:
-                raise ValueError(f"--seq-length {self.seq_length} must be divisible by {div} for "
-                                 f"--context-parallel-algo {self.algo} with --context-parallel-size {self.cp_size}")
+            registry.check_length(self.seq_length, self.algo, self.cp_size, "--seq-length")
 
     def _choose(self) -> tuple[str, dict | None]:
-        """(algo, predicted seconds per candidate) for "auto" / "attention2d" by the cost model."""
-        # --cp-grid only makes sense for Attention2D, so auto then chooses between its two variants.
-        cands = A2D if self.requested == "attention2d" or self.grid is not None else ALGORITHMS
+        """(algo, predicted seconds per candidate) for "auto" or a family ("attention2d") by the cost model."""
+        # --cp-grid only makes sense for the grid algorithms, so auto then chooses among them.
+        cands = registry.candidates(self.requested, grid_given=self.grid is not None)
+        if not cands:
+            raise ValueError(f"--context-parallel-algo {self.requested}: none of its algorithms takes --cp-grid")
         if self.seq_length is None or self.heads is None:
-            if self.requested == "attention2d":
-                return "attention2d-no", None          # no model shape: the variant with NCCL's collectives
+            if self.requested != registry.AUTO:
+                return cands[0], None          # no model shape: the family's first (attention2d-no: NCCL's)
             raise ValueError("--context-parallel-algo auto needs the model shape (--seq-length and "
                              "--num-attention-heads) to choose an algorithm")
         if self.seq_length % self.cp_size:
@@ -110,7 +114,7 @@ class CPConfig:
         pb = Problem(self.seq_length, self.cp_size, self.heads, self.kv_heads, self.head_dim or 128,
                      self.micro_batch, self.dtype_bytes, grid=self.grid, node_aware=self.gpus_per_node is not None)
         algo, times = choose_algo(pb, hw, cands)
-        if algo in A2D and self.grid is None:
+        if registry.get(algo).grid and self.grid is None:
             self.grid = best_grid(algo, pb, hw)        # the grid its predicted time was for
         return algo, times
 
@@ -177,7 +181,8 @@ def log_choice(cfg: CPConfig) -> None:
 def config_from_args(args, log: bool = True) -> CPConfig:
     """CPConfig from Megatron-style parsed args (context_parallel_algo, context_parallel_size, cp_grid, the model
     shape for auto, ...); logs the cost model's choice on rank 0 when it made one (and `log`)."""
-    cfg = CPConfig(algo=args.context_parallel_algo or "ring", cp_size=getattr(args, "context_parallel_size", 1) or 1,
+    cfg = CPConfig(algo=args.context_parallel_algo or registry.DEFAULT_ALGO,
+                   cp_size=getattr(args, "context_parallel_size", 1) or 1,
                    grid=parse_grid(getattr(args, "cp_grid", None)),
                    gpus_per_node=getattr(args, "cp_gpus_per_node", None), seq_length=getattr(args, "seq_length", None),
                    hardware=getattr(args, "cp_hardware", None) or DEFAULT_HARDWARE, **_model_shape(args))

@@ -9,6 +9,9 @@ Packed sequences (`packed_seq_params`, qkv_format "thd"): query [t, np, hn], key
 this rank's part of every document, each in the algorithm's layout (`shard_batch` of a packed batch); the
 boundaries are the whole sequence's cu_seqlens (cu_seqlens_q_padded when given: the tokens are laid out by
 it), and the output is [t, np * hn]. Attention stays inside each document.
+
+Generation keeps this module as it is: inference/hooks.py puts stand-ins in its slot for a forward (the
+prefill that keeps K, V, the decode steps).
 """
 from __future__ import annotations
 
@@ -17,11 +20,9 @@ from megatron.core import parallel_state
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
-from ..algos import context_parallel_attention, layout_of
-from ..algos.ring_decode import ring_decode
-from ..algos.tree_decode import tree_decode
+from ..algos import context_parallel_attention, registry
 from ..comm import get_grid
-from ..sharding import document_offsets, sequence_positions
+from ..sharding import document_offsets
 
 
 class CPCoreAttention(MegatronModule):
@@ -32,10 +33,10 @@ class CPCoreAttention(MegatronModule):
 
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
-                 cp_comm_type: str | None = None, pg_collection=None, *, algo: str = "ring",
+                 cp_comm_type: str | None = None, pg_collection=None, *, algo: str,
                  grid: tuple[int, int] | None = None, gpus_per_node: int | None = None, backend: str | None = None):
         super().__init__(config=config)
-        layout_of(algo)                                          # ValueError for an unknown algo
+        row = registry.get(algo)                                 # ValueError for an unknown algo
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         if dropout:
             raise ValueError(f"attention_dropout = {dropout}: context-parallel attention has no dropout; "
@@ -46,11 +47,10 @@ class CPCoreAttention(MegatronModule):
             raise ValueError(f"attn_mask_type={attn_mask_type.name}: supported are causal and no_mask")
         self.algo, self.backend, self.attn_mask_type = algo, backend, attn_mask_type
         self.layer_number = layer_number
-        self.decode_state = None                  # set by inference.install_decode_state for generation
         self.softmax_scale = softmax_scale if softmax_scale is not None else config.softmax_scale
         cp = pg_collection.cp if pg_collection is not None else parallel_state.get_context_parallel_group()
         self.group = cp
-        if layout_of(algo) == "cyclic":                         # built now, on every CP rank in step
+        if row.grid:                                             # built now, on every CP rank in step
             h = config.num_attention_heads
             self.group = get_grid(cp, grid, h=h, h_kv=config.num_query_groups or h, gpus_per_node=gpus_per_node)
 
@@ -64,13 +64,8 @@ class CPCoreAttention(MegatronModule):
             raise ValueError("attention_bias is not supported by context-parallel attention")
         if mask_type not in (AttnMaskType.causal, AttnMaskType.no_mask):
             raise ValueError(f"attn_mask_type={mask_type.name}: supported are causal and no_mask")
-        state = self.decode_state
         if packed_seq_params is not None:
-            if state is not None and state.mode is not None:
-                raise ValueError("packed_seq_params: packed (THD) batches cannot be decoded; generate without packing")
             return self._packed(query, key, value, packed_seq_params, mask_type == AttnMaskType.causal)
-        if state is not None and state.mode == "decode":
-            return self._decode(state, query, key, value)
         if query.shape[0] != key.shape[0]:
             raise ValueError(f"query has {query.shape[0]} tokens and key {key.shape[0]}: Megatron's own KV cache is "
                              "not context-parallel; generate with megatron_cp_plugin.inference (tree decoding)")
@@ -78,10 +73,6 @@ class CPCoreAttention(MegatronModule):
         o = context_parallel_attention(q, k, v, algo=self.algo, group=self.group,
                                        causal=mask_type == AttnMaskType.causal, softmax_scale=self.softmax_scale,
                                        backend=self.backend)
-        if state is not None and state.mode == "prefill":  # keep this rank's K, V shard for decoding
-            cp = state.cp_group
-            pos = sequence_positions(k.shape[1] * cp.size(), algo=self.algo, rank=cp.rank(), world_size=cp.size())
-            state.store_prefill(self.layer_number, k.contiguous(), v.contiguous(), pos.to(k.device)[None])
         return o.transpose(0, 1).reshape(query.shape[0], query.shape[1], -1)
 
     def _packed(self, query, key, value, params, causal: bool):
@@ -93,18 +84,6 @@ class CPCoreAttention(MegatronModule):
                                        softmax_scale=self.softmax_scale, backend=self.backend,
                                        cu_seqlens=packed_offsets(params))
         return o[0].reshape(o.shape[1], -1)
-
-    def _decode(self, state, query, key, value):
-        """One new token [1, b, ., hn], replicated: append its K, V round-robin, attend with tree decoding."""
-        q, k, v = (x.transpose(0, 1) for x in (query, key, value))
-        ck, cv, cpos = state.append(self.layer_number, k, v)
-        if state.decoder == "ring":                   # the baseline: every shard padded to the longest, passed round
-            ck, cv, cpos = state.cache[self.layer_number].view(-(-(state.position + 1) // state.cp_group.size()))
-            o = ring_decode(q, ck, cv, group=state.cp_group, softmax_scale=self.softmax_scale, kv_positions=cpos)
-        else:
-            kw = {"variant": state.variant} if state.variant else {}
-            o = tree_decode(q, ck, cv, group=state.cp_group, softmax_scale=self.softmax_scale, validate=False, **kw)
-        return o.transpose(0, 1).reshape(query.shape[0], query.shape[1], -1)
 
 
 def packed_offsets(params) -> tuple[int, ...]:

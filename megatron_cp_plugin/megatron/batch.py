@@ -7,22 +7,24 @@ of each document in the algorithm's layout; `packed_seq_params` is what the GPTM
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
-from ..sharding import document_offsets, layout_of, sequence_positions
+from ..algos import registry
+from ..sharding import document_offsets, sequence_positions
 
 SEQ_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
-PACKED_KEYS = ("cu_seqlens", "cu_seqlens_padded", "max_seqlen")
-"""Keys of a packed batch that describe the documents; they pass through `shard_batch` unchanged."""
 
 
 def packed_unit(algo: str, cp_size: int) -> int:
-    """The multiple every document length must be in a packed Megatron batch: 2 x CP for every algorithm when
-    CP > 1 (Megatron's THD RoPE splits each document's local tokens into two halves, whatever the layout;
-    zigzag needs it anyway), else 1."""
-    layout_of(algo)
-    return 2 * cp_size if cp_size > 1 else 1
+    """The multiple every document length must be in a packed Megatron batch: 2 x CP when CP > 1 (Megatron's THD
+    RoPE splits each document's local tokens into two halves, whatever the layout), a multiple of every layout's
+    unit too (so the same for every --context-parallel-algo value `algo`), else 1."""
+    if algo not in registry.flag_choices() + registry.names(baselines=True):
+        raise ValueError(f"algo must be one of {registry.flag_choices()}, got {algo!r}")
+    return math.lcm(2 * cp_size, registry.any_divisor(cp_size)) if cp_size > 1 else 1
 
 
 def batch_offsets(batch: dict, unit: int = 1) -> tuple[int, ...] | None:
@@ -46,6 +48,7 @@ def shard_batch(batch: dict, *, algo: str, cp_group) -> dict:
     A packed batch (`cu_seqlens`, and `cu_seqlens_padded` when the loader padded documents; batch 1) is sharded
     document by document (every length a multiple of `packed_unit`); its packed keys pass unchanged, and
     `packed_seq_params` is added for the model. ValueError naming cu_seqlens otherwise, on every rank."""
+    registry.get(algo)                                          # ValueError for an unknown algo, at any CP size
     size, rank = cp_group.size(), cp_group.rank()
     offs = batch_offsets(batch, packed_unit(algo, size))
     out = dict(batch)

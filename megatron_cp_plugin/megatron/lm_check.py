@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..algos import ALGORITHMS
+from ..algos import registry
 from .megatron_lm import NO_TE_FLAGS, apply_patch, copy_checkout, have_te, release_of
 
 LOSS_RE = re.compile(r"iteration\s+(\d+)/\s*\d+\s*\|.*?lm loss:\s*([0-9.eE+-]+)")
@@ -239,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     a = p.add_argument
     a("megatron_lm", metavar="MEGATRON_LM_DIR", help="a Megatron-LM checkout (not modified)")
     a("--cp", type=int, nargs="+", default=[2, 4], help="CP sizes (those above the GPU count are skipped)")
-    a("--algos", nargs="+", default=list(ALGORITHMS), choices=ALGORITHMS + ("auto", "attention2d"))
+    a("--algos", nargs="+", default=list(registry.names()), choices=registry.flag_choices())
     a("--pp-run", metavar="ALGO", default=None, help="also PP = 2 x CP = 2 with ALGO (4 GPUs)")
     a("--fsdp-run", metavar="ALGO", default=None, help="also Megatron-FSDP (optim_grads_params) x CP = 2 with ALGO")
     a("--dtype", choices=tuple(TOL), default="fp32")
@@ -262,7 +262,7 @@ def main(argv=None) -> int:
     mlm = Path(ns.megatron_lm).resolve()
     tol = TOL[ns.dtype] if ns.tol is None else ns.tol
     for p in ns.cp:
-        if p < 2 or ns.seq_length % (2 * p):
+        if p < 2 or ns.seq_length % registry.any_divisor(p):
             print(f"megatron-cp-megatron-lm check: error: --cp {p}: must be >= 2 and divide --seq-length "
                   f"{ns.seq_length} / 2", file=sys.stderr)
             return 2

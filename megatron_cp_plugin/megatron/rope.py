@@ -21,17 +21,57 @@ import inspect
 import torch
 from torch import nn
 
-from ..sharding import layout_of, sequence_positions
+from ..algos.registry import layout_of
+from ..sharding import layout_positions, sequence_positions
 from .attention import packed_offsets
 
 
-class CPRotaryEmbedding(nn.Module):
+def gpt_of(model):
+    """The GPTModel (the module holding `rotary_pos_emb`) inside wrappers (DDP, Float16Module: `.module`)."""
+    while not hasattr(model, "rotary_pos_emb") and hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def rope_rows(rope: nn.Module, positions: torch.Tensor) -> torch.Tensor:
+    """[n, 1, 1, dim] on positions' device: the rows of `rope`'s (a RotaryEmbedding, or a RopeWrapper of one)
+    table for positions [n], computed as Megatron's get_emb computes its table (the same values)."""
+    inner = getattr(rope, "inner", rope)
+    while isinstance(inner, RopeWrapper):
+        inner = inner.inner
+    seq = positions.to(device=inner.inv_freq.device, dtype=inner.inv_freq.dtype)
+    if inner.seq_len_interpolation_factor is not None:
+        seq = seq * (1 / inner.seq_len_interpolation_factor)
+    freqs = torch.outer(seq, inner.inv_freq)                         # [n, dim / 2]
+    if inner.rotary_interleaved:
+        emb = torch.stack((freqs, freqs), dim=-1).view(freqs.shape[0], -1)
+    else:
+        emb = torch.cat((freqs, freqs), dim=-1)
+    return emb[:, None, None, :].to(positions.device)
+
+
+class RopeWrapper(nn.Module):
+    """A module in a GPTModel's `rotary_pos_emb` slot that wraps the model's own (`inner`): every attribute it
+    does not have is the inner one's (Megatron calls get_rotary_seq_len, get_cos_sin, ... on the slot)."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.inner, name)
+
+
+class CPRotaryEmbedding(RopeWrapper):
     """Wraps a megatron.core RotaryEmbedding: forward(max_seq_len, offset=0, packed_seq=False, cp_group=None)
     -> [s_local, 1, 1, dim], the rows of this CP rank's tokens in `algo`'s layout."""
 
     def __init__(self, inner: nn.Module, *, algo: str, cp_group, device_of=None, rope_fusion: bool = False):
-        super().__init__()
-        self.inner, self.algo, self.cp_group = inner, algo, cp_group
+        super().__init__(inner)
+        self.algo, self.cp_group = algo, cp_group
         self._device = device_of                   # callable -> the model's device (None: the frequencies')
         self._cache: dict = {}
         self._packed_cache: tuple = (None, None)   # one packing at a time: every batch brings its own
@@ -41,9 +81,6 @@ class CPRotaryEmbedding(nn.Module):
     def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None):
         if packed_seq:
             return self._packed_table(max_seq_len, offset)
-        state = getattr(self, "decode_state", None)
-        if state is not None and state.mode == "decode":          # the one token being decoded
-            return self._full_table(1, state.position)
         key = (max_seq_len, offset, self._device() if self._device else None)
         if key not in self._cache:
             emb = self._full_table(max_seq_len, offset)
@@ -69,7 +106,7 @@ class CPRotaryEmbedding(nn.Module):
             total, rank = offs[-1], self.cp_group.rank()
             full = self._full_table(max(b - a for a, b in zip(offs, offs[1:])), offset)
             starts = torch.tensor(offs[:-1]).repeat_interleave(torch.tensor(offs[1:]) - torch.tensor(offs[:-1]))
-            read = sequence_positions(total, algo="ring", rank=rank, world_size=size, cu_seqlens=offs)
+            read = layout_positions(total, "zigzag", rank=rank, world_size=size, cu_seqlens=offs)  # Megatron's rows
             mine = sequence_positions(total, algo=self.algo, rank=rank, world_size=size, cu_seqlens=offs)
             table = full.new_zeros((total,) + tuple(full.shape[1:]))
             table[read.to(full.device)] = full[(mine - starts[mine]).to(full.device)]
@@ -79,26 +116,13 @@ class CPRotaryEmbedding(nn.Module):
     def _full_table(self, max_seq_len: int, offset: int) -> torch.Tensor:
         """[S, 1, 1, dim] for the whole sequence, as Megatron's get_emb, on the model's device (get_emb would
         move the frequencies to CUDA unconditionally, which fails without a GPU and misplaces CPU models)."""
-        inner = self.inner
-        freqs = inner.get_freqs_non_repeated(max_seq_len, offset)      # [S, dim / 2]
-        if inner.rotary_interleaved:
-            emb = torch.stack((freqs, freqs), dim=-1).view(freqs.shape[0], -1)
-        else:
-            emb = torch.cat((freqs, freqs), dim=-1)
-        return emb[:, None, None, :].to(self._device() if self._device else emb.device)
-
-    def __getattr__(self, name):                                   # get_rotary_seq_len, get_cos_sin, ...
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self.inner, name)
+        device = self._device() if self._device else self.inner.inv_freq.device
+        return rope_rows(self.inner, torch.arange(offset, offset + max_seq_len, device=device))
 
 
 def install_cp_rope(model, *, algo: str, cp_group):
     """Make `model`'s (a GPTModel, possibly wrapped) rotary embedding give this rank's positions; returns model."""
-    m = model
-    while not hasattr(m, "rotary_pos_emb") and hasattr(m, "module"):
-        m = m.module
+    m = gpt_of(model)
     rope = getattr(m, "rotary_pos_emb", None)
     if rope is not None and not isinstance(rope, CPRotaryEmbedding):
         owner = m

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from ..algos.registry import DEFAULT_ALGO
 from ..megatron.args import add_cp_args, config_from_args
 
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
@@ -93,8 +94,7 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     a("--log-json", default=None, help="append one JSON line per logged iteration to this file")
     a("--compare-cp1", action="store_true", help="first train the same model with CP = 1 (one process), then "
       "this run, and print both loss curves side by side")
-    add_cp_args(p)
-    p.set_defaults(context_parallel_algo="attention2d")
+    add_cp_args(p, default=DEFAULT_ALGO)
     return p
 
 

@@ -159,13 +159,15 @@ def compare_cp1(argv: list[str], args) -> None:
     import subprocess
     import tempfile
 
+    from ..megatron.batch import packed_unit
+
     tmp = tempfile.mkdtemp(prefix="megatron-cp-compare-")
     base = [x for x in argv if x != "--compare-cp1"]
     if args.reset_attention_mask and args.document_unit is None:
         # Packed documents are padded to 2 x CP: CP = 1 must pad the same way to see the same batches.
         world = args.nproc or int(os.environ.get("WORLD_SIZE", 1))
         cp = args.context_parallel_size or world // args.tensor_model_parallel_size
-        base += ["--document-unit", str(2 * cp if cp > 1 else 1)]
+        base += ["--document-unit", str(packed_unit(args.context_parallel_algo, cp))]
     runs = {"CP=1": base + ["--nproc", "1", "--context-parallel-size", "1", "--log-json", f"{tmp}/cp1.jsonl"]
             + (["--save", f"{tmp}/cp1-ckpt"] if args.save else [])     # not into this run's --save
             + (["--result-json", f"{tmp}/cp1.json"] if args.result_json else []),   # keep the user's for this run

@@ -1,0 +1,73 @@
+"""How decoding reaches a GPTModel: stand-ins for one forward (`swapped`).
+
+Generation never changes the model's own modules. For the length of a `with swapped(...)` block, every layer's
+core-attention slot holds a stand-in, and the model's rotary-embedding slot one too when asked; the model's own
+modules go back afterwards, also on error. The prefill that keeps each layer's K, V shard (`KeepPrefill`), the
+eager decode step (generate.py), the static step (static.py) and the tree decoder's steps (tree.py) all reach
+the model this way, so megatron/attention.py and megatron/rope.py have no decoding branches.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from ..megatron.rope import RopeWrapper, gpt_of, rope_rows
+from ..sharding import sequence_positions
+
+
+def core_owners(model) -> list:
+    """The modules of `model` that hold a core attention (`core_attention`), in layer order."""
+    return [m for m in model.modules() if isinstance(getattr(m, "core_attention", None), torch.nn.Module)]
+
+
+@contextlib.contextmanager
+def swapped(model, *, core=None, rope=None, owners=None):
+    """Inside the block, owner i's core_attention is core(its own, i) (owners: core_owners(model) unless given)
+    and the model's rotary_pos_emb is rope(its own) (when it has one); the model's own are restored after."""
+    owners = core_owners(model) if owners is None else owners
+    gpt = gpt_of(model)
+    saved = [m.core_attention for m in owners]
+    own_rope = getattr(gpt, "rotary_pos_emb", None)
+    try:
+        if core is not None:
+            for i, m in enumerate(owners):
+                m.core_attention = core(saved[i], i)
+        if rope is not None and own_rope is not None:
+            gpt.rotary_pos_emb = rope(own_rope)
+        yield
+    finally:
+        for m, c in zip(owners, saved):
+            m.core_attention = c
+        if own_rope is not None:
+            gpt.rotary_pos_emb = own_rope
+
+
+class KeepPrefill(torch.nn.Module):
+    """A layer's core attention (a CPCoreAttention) during prefill: its own attention, after which the layer's K,
+    V shard [b, s, h_kv, d] and their global positions [1, s] go to store(layer_number, k, v, positions)."""
+
+    def __init__(self, inner, store, cp_group):
+        super().__init__()
+        self.inner, self.store, self.cp_group = inner, store, cp_group
+
+    def forward(self, query, key, value, attention_mask=None, **kw):
+        if kw.get("packed_seq_params") is not None:
+            raise ValueError("packed_seq_params: packed (THD) batches cannot be decoded; generate without packing")
+        o = self.inner(query, key, value, attention_mask, **kw)
+        k, v = key.transpose(0, 1), value.transpose(0, 1)
+        P, rank = self.cp_group.size(), self.cp_group.rank()
+        pos = sequence_positions(k.shape[1] * P, algo=self.inner.algo, rank=rank, world_size=P)
+        self.store(self.inner.layer_number, k.contiguous(), v.contiguous(), pos.to(k.device)[None])
+        return o
+
+
+class PositionRope(RopeWrapper):
+    """Stands in for the model's rotary embedding: the table rows of the given positions [n] (the new tokens')."""
+
+    def __init__(self, inner, positions: torch.Tensor):
+        super().__init__(inner)
+        self.positions = positions
+
+    def forward(self, *_, **__):
+        return rope_rows(self.inner, self.positions)
