@@ -279,3 +279,11 @@ def get_grid(group, shape: tuple[int, int] | None = None, *, h: int = 1, h_kv: i
         _GRIDS[key] = CPGrid(group, rows, cols, gpus_per_node)
     return _GRIDS[key]
 
+
+def free_port() -> int:
+    """An unused TCP port on 127.0.0.1 for a local rendezvous (the launcher's spawned ranks, the demo, tests)."""
+    import socket  # noqa: PLC0415
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -84,7 +84,7 @@ def test_trains_on_preprocessed_bin_idx_and_a_rewritten_corpus_does_not_reuse_st
     for n in (300, 40):
         text = tmp_path / f"corpus{n}.txt"
         text.write_text("\n".join(f"document {i}: the quick brown fox jumps over the lazy dog " * 3 for i in range(n)))
-        r = subprocess.run([sys.executable, "-m", "megatron_cp_plugin.megatron.preprocess", "--input", str(text),
+        r = subprocess.run([sys.executable, "-m", "megatron_cp_plugin.megatron_lm.preprocess", "--input", str(text),
                             "--output-prefix", str(prefix)], capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr
         if n == 300:
@@ -191,7 +191,7 @@ def eod_corpus(tmp_path_factory):
     text.write_text("\n".join(f"document {i}: the quick brown fox jumps over the lazy dog " * (1 + i % 3)
                               for i in range(200)))
     prefix = tmp / "corpus"
-    r = subprocess.run([sys.executable, "-m", "megatron_cp_plugin.megatron.preprocess", "--input", str(text),
+    r = subprocess.run([sys.executable, "-m", "megatron_cp_plugin.megatron_lm.preprocess", "--input", str(text),
                         "--output-prefix", str(prefix)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     log = tmp / "cp1.jsonl"

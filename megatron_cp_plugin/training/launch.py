@@ -70,7 +70,7 @@ def launch(args, target, prog: str = "megatron-cp-pretrain") -> None:
     one (training.watchdog): a rank that fails, is killed or freezes for --dist-timeout seconds, or SIGINT /
     SIGTERM here, ends the job with one line naming the cause and no process left behind. With spawned ranks
     this process exits when they are done (status 0, or the failure's), so launch() does not return."""
-    from ..bench._common import free_port
+    from ..comm import free_port
 
     if "RANK" in os.environ or not args.nproc or args.nproc == 1:
         os.environ.setdefault("RANK", "0")
