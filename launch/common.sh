@@ -4,7 +4,7 @@
 # (what follows `torchrun ...`); needs NNODES, NPROC_PER_NODE.
 #   TRAINER     plugin (default): megatron-cp-pretrain; megatron-lm: Megatron-LM's pretrain_gpt.py in
 #               $MEGATRON_LM (patched here when it is not yet: megatron-cp-megatron-lm patch), with the same
-#               configs turned into its flags by megatron_cp_plugin.megatron.lm_flags
+#               configs turned into its flags by megatron_cp_plugin.megatron_lm.flags
 #   MEGATRON_LM a Megatron-LM checkout (TRAINER=megatron-lm); LAYOUT: auto (default), zero1 or fsdp
 #   DRY_RUN     1: print the command and exit (no srun, no torchrun)
 #   CONFIG      config files, space-separated, later ones override earlier (default configs/tiny.toml)
@@ -49,11 +49,11 @@ case $TRAINER in
     for ((i = 0; i < ${#PRETRAIN_ARGS[@]}; i++)); do
       if [[ ${PRETRAIN_ARGS[i]} == --result-json ]]; then ((i++)) || true; else _lm_args+=("${PRETRAIN_ARGS[i]}"); fi
     done
-    _flags=$(cd "$REPO" && "$PY" -W ignore -m megatron_cp_plugin.megatron.lm_flags \
+    _flags=$(cd "$REPO" && "$PY" -W ignore -m megatron_cp_plugin.megatron_lm.flags \
       --world-size $((NNODES * NPROC_PER_NODE)) --layout "${LAYOUT:-auto}" "${_lm_args[@]}") || exit 2
     mapfile -t _lm_flags <<<"$_flags"
     if [[ ${DRY_RUN:-0} != 1 ]]; then
-      (cd "$REPO" && "$PY" -W ignore -m megatron_cp_plugin.megatron.megatron_lm patch "$MEGATRON_LM") || exit 2
+      (cd "$REPO" && "$PY" -W ignore -m megatron_cp_plugin.megatron_lm.cli patch "$MEGATRON_LM") || exit 2
     fi
     TRAIN_CWD=$MEGATRON_LM
     TRAIN_CMD=(pretrain_gpt.py "${_lm_flags[@]}")

@@ -1,17 +1,21 @@
 #!/usr/bin/env bash
 # launch/slurm_ci.sh: a real, throwaway SLURM cluster on this one Debian host, for tests/test_slurm.py.
 #   bash launch/slurm_ci.sh up | down | status | run CMD...    (run = up, CMD, down; exits with CMD's status)
-# Debian's slurm-wlm and munge (apt-get installed when missing) run as plain background processes: munged,
+# Debian's slurm-wlm and munge run as plain background processes: munged,
 # slurmctld and MCP_SLURM_NODES slurmd, each its own "node" on its own port, all on 127.0.0.1. No cgroups,
 # no accounting database: proctrack/linuxproc, task/none; finished jobs stay visible to `scontrol show job`
 # for an hour (MinJobAge), which is where their exit codes are read. Must run as root.
+# System changes only with MCP_ALLOW_SYSTEM_CHANGES=1 (.ci/run sets it): installing slurm-wlm and munge with
+# apt-get where they are missing (they stay installed) and adding the node names to /etc/hosts (removed by
+# `down`); without it `up` exits 3 where it would need either.
 # Env: MCP_SLURM_DIR   state, config and logs (default /tmp/mcp-slurm-ci; keep it short: munge's socket path)
-#      MCP_SLURM_NODES number of nodes (default 2), named mcpci1, mcpci2, ... (added to /etc/hosts)
+#      MCP_SLURM_NODES number of nodes (default 2), named mcpci1, mcpci2, ... (added to /etc/hosts, see above)
 #      MCP_SLURM_CPUS  CPUs each node claims (default 2; may exceed the real cores)
 #      MCP_SLURM_PORT  slurmctld's port; node i listens on PORT + i (default 17917)
 #      MCP_SLURM_WAIT  seconds to wait for a daemon to come up or go down (default 60)
 # Clients: export SLURM_CONF=$MCP_SLURM_DIR/slurm.conf. Exit status 3 from `up`: SLURM cannot run here (not
-# root, SLURM missing and no apt-get or apt-get failed, /etc/hosts not writable), so callers can skip.
+# root, SLURM missing and no apt-get or apt-get failed, /etc/hosts not writable, a system change needed without
+# MCP_ALLOW_SYSTEM_CHANGES=1), so callers can skip.
 # `down` stops only what `up` started: the PIDs recorded in $MCP_SLURM_DIR/pids, and slurmstepd processes
 # that carry this cluster's marker in their environment (slurmd hands its environment to them).
 set -euo pipefail
@@ -49,6 +53,9 @@ wait_until() {   # wait_until DESCRIPTION CMD...: poll CMD every 0.5 s for up to
 
 install_slurm() {
   command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v munged >/dev/null && return 0
+  if [[ ${MCP_ALLOW_SYSTEM_CHANGES:-0} != 1 ]]; then
+    log "slurm-wlm/munge missing; set MCP_ALLOW_SYSTEM_CHANGES=1 to let this install them with apt-get"; return 3
+  fi
   if [[ $(id -u) != 0 ]]; then log "slurm-wlm/munge missing and not root: cannot install"; return 3; fi
   if ! command -v apt-get >/dev/null; then log "slurm-wlm/munge missing and no apt-get: cannot install"; return 3; fi
   log "installing slurm-wlm and munge (apt-get)"
@@ -106,6 +113,9 @@ add_hosts() {   # job scripts use node names as MASTER_ADDR: they must resolve
   local missing=() n
   for n in $(node_names); do getent hosts "$n" >/dev/null || missing+=("$n"); done
   ((${#missing[@]} == 0)) && return 0
+  if [[ ${MCP_ALLOW_SYSTEM_CHANGES:-0} != 1 ]]; then
+    log "${missing[*]} do not resolve; set MCP_ALLOW_SYSTEM_CHANGES=1 to let this add them to /etc/hosts"; return 3
+  fi
   if ! echo "127.0.0.1 ${missing[*]} $HOSTS_TAG" 2>/dev/null >>/etc/hosts; then
     log "cannot add ${missing[*]} to /etc/hosts (read-only?): node names would not resolve"; return 3
   fi

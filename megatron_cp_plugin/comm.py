@@ -196,6 +196,25 @@ class CPGrid:
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+_HELD_WORK: dict = {}
+
+
+def run_collective(op, *args, group=None, **kw):
+    """`op(*args, group=group, **kw)` (a torch.distributed collective), waited for. On CPU (gloo) the finished
+    work stays referenced here until the group's next collective. Gloo runs a collective on a worker thread that
+    drops its own reference to the work just after the caller resumes, and with it maybe the last one to the
+    tensors, a release that takes the GIL; a script that ended right after its last collective raced that
+    release against interpreter finalization, where a thread that asks for the GIL is ended by pthread_exit,
+    whose unwind through a noexcept destructor calls std::terminate: SIGABRT at exit, "terminate called without
+    an active exception" (issue 29; tests/exit_check.py). Held here, the work is freed by the thread that
+    replaces or clears the entry, which holds the GIL."""
+    work = op(*args, group=group, async_op=True, **kw)
+    work.wait()
+    first = args[0][0] if isinstance(args[0], (list, tuple)) else args[0]
+    if first.device.type == "cpu":
+        _HELD_WORK[group] = work
+
+
 def _count(stats, phase, nbytes):
     if stats is not None:
         stats.add(phase, int(nbytes))
@@ -207,7 +226,7 @@ def all_gather(group, x: torch.Tensor, stats=None, phase="forward") -> torch.Ten
         return x.unsqueeze(0)
     g = dist.get_world_size(group)
     out = torch.empty((g,) + tuple(x.shape), dtype=x.dtype, device=x.device)
-    _ALL_GATHER(out.view(-1), x.contiguous().view(-1), group=group)   # 1-D: gloo wants that
+    run_collective(_ALL_GATHER, out.view(-1), x.contiguous().view(-1), group=group)   # 1-D: gloo wants that
     _count(stats, phase, (g - 1) * x.numel() * x.element_size())
     return out
 
@@ -221,7 +240,7 @@ def all_to_all(group, parts, stats=None, phase="forward") -> list[torch.Tensor]:
     g = dist.get_world_size(group)
     flat = torch.cat([t.view(g, -1).view(torch.uint8) for t in parts], dim=1)    # bytes side by side
     out = torch.empty_like(flat)
-    dist.all_to_all_single(out, flat, group=group)
+    run_collective(dist.all_to_all_single, out, flat, group=group)
     _count(stats, phase, (g - 1) * flat[0].numel())
     res, at = [], 0
     for t in parts:
@@ -252,7 +271,7 @@ def permute(group, x: torch.Tensor, send_to: int, recv_from: int, stats=None, ph
     out = torch.empty_like(x)
     split_in = [x.shape[0] if r == send_to else 0 for r in range(g)]
     split_out = [x.shape[0] if r == recv_from else 0 for r in range(g)]
-    dist.all_to_all_single(out, x, split_out, split_in, group=group)
+    run_collective(dist.all_to_all_single, out, x, split_out, split_in, group=group)
     if send_to != me:
         _count(stats, phase, x.numel() * x.element_size())
     return out
@@ -271,3 +290,12 @@ def get_grid(group, shape: tuple[int, int] | None = None, *, h: int = 1, h_kv: i
     if key not in _GRIDS:
         _GRIDS[key] = CPGrid(group, rows, cols, gpus_per_node)
     return _GRIDS[key]
+
+
+def free_port() -> int:
+    """An unused TCP port on 127.0.0.1 for a local rendezvous (the launcher's spawned ranks, the demo, tests)."""
+    import socket  # noqa: PLC0415
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -16,7 +16,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import megatron_cp_plugin as mcp
-from megatron_cp_plugin.bench._common import free_port, time_ms
+from megatron_cp_plugin.bench._common import time_ms
+from megatron_cp_plugin.comm import free_port
 from megatron_cp_plugin.kernels.local_attn import block_bwd, block_fwd, select_backend
 
 

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .algos import registry
-from .comm import resolve_group
+from .comm import resolve_group, run_collective
 
 
 def document_unit(algo: str, world_size: int) -> int:
@@ -144,7 +144,7 @@ def unshard_sequence(x: torch.Tensor, *, algo: str, group=None, dim: int = 1, cu
     pos = torch.cat([sequence_positions(seq_len, algo=algo, rank=r, world_size=world, cu_seqlens=cu_seqlens)
                      for r in range(world)])                 # validated before the collective
     parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(world)]
-    dist.all_gather(parts, x.contiguous(), group=group)
+    run_collective(dist.all_gather, parts, x.contiguous(), group=group)   # see run_collective: exit safety
     gathered = torch.cat(parts, dim)
     return torch.empty_like(gathered).index_copy_(dim, pos.to(x.device), gathered)
 

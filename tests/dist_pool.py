@@ -11,7 +11,7 @@ import os
 import queue
 import traceback
 
-from megatron_cp_plugin.bench._common import free_port
+from megatron_cp_plugin.comm import free_port
 
 
 def _worker(rank, world, port, tasks, results):

@@ -158,4 +158,5 @@ def test_configs_ship_in_the_wheel(tmp_path):
                     str(tmp_path), str(repo)], check=True, capture_output=True, timeout=600)
     names = zipfile.ZipFile(next(tmp_path.glob("*.whl"))).namelist()
     assert "megatron_cp_plugin/configs/gpt3-175b.toml" in names and "megatron_cp_plugin/configs/algo/ring.toml" in names
-    assert any(n.startswith("megatron_cp_plugin/megatron/patches/") and n.endswith(".patch") for n in names)
+    assert {n for n in names if n.endswith(".patch")} == {f"megatron_cp_plugin/megatron_lm/patches/{p.name}"
+                                                           for p in (repo / "patches").glob("*.patch")}

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from megatron_cp_plugin.megatron import lm
-from megatron_cp_plugin.megatron.lm_check import LOSS_RE, Run, build_parser, plan_runs, report
-from megatron_cp_plugin.megatron.lm_flags import main as flags_main
-from megatron_cp_plugin.megatron.megatron_lm import patches, release_of
+from megatron_cp_plugin.megatron_lm.parity import LOSS_RE, Run, build_parser, plan_runs, report
+from megatron_cp_plugin.megatron_lm.flags import main as flags_main
+from megatron_cp_plugin.megatron_lm.patching import patches, release_of
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted(p.stem for p in (REPO / "configs").glob("gpt3-*.toml") if "stage" not in p.stem)
@@ -101,6 +101,59 @@ def test_release_of_reads_package_info_and_names_a_non_checkout(tmp_path):
         release_of(tmp_path / "megatron")
 
 
+@pytest.fixture()
+def toy_checkout(tmp_path, monkeypatch):
+    """A two-file "checkout" of release 0.16.1 and a shipped patch made for it (no Megatron-LM code here)."""
+    from megatron_cp_plugin.megatron_lm import patching  # noqa: PLC0415
+
+    tree, shipped = tmp_path / "mlm", tmp_path / "patches"
+    (tree / "megatron" / "core").mkdir(parents=True)
+    shipped.mkdir()
+    (tree / "pretrain_gpt.py").write_text("x = 1\n")
+    (shipped / "megatron-lm-core_v0.16.1-context-parallel-algo.patch").write_text(
+        "--- a/pretrain_gpt.py\n+++ b/pretrain_gpt.py\n@@ -1 +1 @@\n-x = 1\n+x = 2\n")
+    monkeypatch.setattr(patching, "patch_dir", lambda: shipped)
+
+    def release(minor, patch=0):
+        (tree / "megatron" / "core" / "package_info.py").write_text(f"MAJOR = 0\nMINOR = {minor}\nPATCH = {patch}\n")
+    release(16, 1)
+    return tree, release
+
+
+def test_patch_check_and_revert_verbs(toy_checkout, capsys):
+    from megatron_cp_plugin.megatron_lm.cli import main  # noqa: PLC0415
+
+    tree, _ = toy_checkout
+    src = tree / "pretrain_gpt.py"
+    assert main(["check", str(tree)]) == 1 and "would apply it cleanly" in capsys.readouterr().out
+    assert src.read_text() == "x = 1\n"                                    # check changes nothing
+    assert main(["patch", str(tree)]) == 0 and "is now applied" in capsys.readouterr().out
+    assert src.read_text() == "x = 2\n"
+    assert main(["patch", str(tree)]) == 0 and "was already applied" in capsys.readouterr().out
+    assert main(["check", str(tree)]) == 0 and "is applied" in capsys.readouterr().out
+    assert main(["revert", str(tree)]) == 0 and "is reverted" in capsys.readouterr().out
+    assert src.read_text() == "x = 1\n"
+    assert main(["revert", str(tree)]) == 0 and "nothing to revert" in capsys.readouterr().out
+    assert main(["check", str(tree), "--pp-run", "ring"]) == 2
+    assert "megatron-cp-megatron-lm parity" in capsys.readouterr().err     # the harness's old verb, redirected
+
+
+def test_patch_refuses_a_release_it_was_not_made_for_unless_forced(toy_checkout, capsys):
+    from megatron_cp_plugin.megatron_lm.cli import main  # noqa: PLC0415
+
+    tree, release = toy_checkout
+    release(16, 3)                                                # the same release line: supported
+    assert main(["check", str(tree)]) == 1
+    capsys.readouterr()
+    release(20)                                                   # Megatron-LM main after 0.19
+    for verb in ("patch", "check"):
+        assert main([verb, str(tree)]) == 2
+        err = capsys.readouterr().err
+        assert "Megatron-LM 0.20.0" in err and "core_v0.16.1" in err and "--force" in err, err
+    assert (tree / "pretrain_gpt.py").read_text() == "x = 1\n"
+    assert main(["patch", str(tree), "--force"]) == 0 and (tree / "pretrain_gpt.py").read_text() == "x = 2\n"
+
+
 def test_harness_parses_megatron_log_lines_and_fails_past_the_tolerance():
     line = (" [2026-11-22 18:13:53.161072] iteration        3/      10 | consumed samples:           12 | "
             "elapsed time per iteration (ms): 46.7 | learning rate: 1.0E-03 | lm loss: 5.311743E+00 | loss scale: 1.0")
@@ -177,7 +230,7 @@ def test_dry_run_refuses_a_missing_checkout(tmp_path):
 # ------------------------------------------------------------------ with a real checkout (MEGATRON_LM=...)
 @pytest.fixture(scope="module")
 def patched(tmp_path_factory):
-    from megatron_cp_plugin.megatron.megatron_lm import apply_patch, copy_checkout  # noqa: PLC0415
+    from megatron_cp_plugin.megatron_lm.patching import apply_patch, copy_checkout  # noqa: PLC0415
 
     tree = copy_checkout(MEGATRON_LM, tmp_path_factory.mktemp("mlm") / "Megatron-LM")
     apply_patch(tree)
@@ -205,7 +258,7 @@ def test_every_config_parses_with_megatron_lms_own_parser(patched):
         "from megatron.training.arguments import parse_args\n"
         "from megatron_cp_plugin.megatron import lm\n"
         f"for c in {CONFIGS!r}:\n"
-        "    f = subprocess.run([sys.executable, '-W', 'ignore', '-m', 'megatron_cp_plugin.megatron.lm_flags',\n"
+        "    f = subprocess.run([sys.executable, '-W', 'ignore', '-m', 'megatron_cp_plugin.megatron_lm.flags',\n"
         "                        '--world-size', '8', '--config', f'configs/{c}.toml'], capture_output=True,\n"
         f"                       text=True, cwd={str(REPO)!r}, check=True).stdout.split()\n"
         "    sys.argv = ['pretrain_gpt.py', *f]\n"
@@ -220,6 +273,46 @@ def test_every_config_parses_with_megatron_lms_own_parser(patched):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="the parity harness needs >= 2 GPUs "
                     "(Megatron-LM's training loop requires CUDA)")
 def test_harness_on_gpus(tmp_path):
-    from megatron_cp_plugin.megatron.lm_check import main  # noqa: PLC0415
+    from megatron_cp_plugin.megatron_lm.parity import main  # noqa: PLC0415
 
     assert main([MEGATRON_LM, "--cp", "2", "--workdir", str(tmp_path), "--out", str(tmp_path / "report.md")]) == 0
+
+
+def _imports(path: Path) -> set[str]:
+    """megatron_cp_plugin modules a file imports (absolute names), module level or inside functions."""
+    import ast  # noqa: PLC0415
+
+    pkg = ".".join(path.relative_to(REPO).with_suffix("").parts[:-1])
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = pkg.rsplit(".", node.level - 1)[0] if node.level else ""
+            mod = ".".join(x for x in (base, node.module) if x)
+            out |= {mod} | {f"{mod}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+    return {m for m in out if m.startswith("megatron_cp_plugin")}
+
+
+def test_megatron_lm_tooling_sits_above_the_runtime_with_no_import_running_back_up():
+    """Issue 25: the tooling (megatron_lm/) may import the runtime; nothing in the runtime imports it, nor does
+    the runtime integration import the trainer, nor the trainer the benchmarks; no circle inside the tooling."""
+    pkg = REPO / "megatron_cp_plugin"
+    graph = {".".join(p.relative_to(REPO).with_suffix("").parts): _imports(p) for p in pkg.rglob("*.py")}
+    below = {"megatron_cp_plugin.megatron_lm": ("megatron_cp_plugin.megatron", "megatron_cp_plugin.training",
+                                                "megatron_cp_plugin.algos", "megatron_cp_plugin.comm",
+                                                "megatron_cp_plugin.kernels", "megatron_cp_plugin.sharding"),
+             "megatron_cp_plugin.bench": ("megatron_cp_plugin.training",),
+             "megatron_cp_plugin.training": ("megatron_cp_plugin.megatron",)}
+    def within(mod, pkgs):
+        return any(mod == p or mod.startswith(p + ".") for p in pkgs)
+
+    for upper, lowers in below.items():
+        for mod, deps in graph.items():
+            if within(mod, lowers):
+                assert not any(within(d, (upper,)) for d in deps), (mod, "imports", upper)
+    tooling = {m: {d for d in deps if d in graph and d.startswith("megatron_cp_plugin.megatron_lm.")}
+               for m, deps in graph.items() if m.startswith("megatron_cp_plugin.megatron_lm.")}
+    for a, deps in tooling.items():
+        for b in deps:
+            assert a not in tooling.get(b, ()), ("import circle", a, b)

@@ -9,7 +9,7 @@ import sys
 import numpy
 import pytest
 
-from megatron_cp_plugin.megatron.preprocess import main, preprocess
+from megatron_cp_plugin.megatron_lm.preprocess import main, preprocess
 from megatron_cp_plugin.megatron.tokenizer import ByteTokenizer
 
 # Blank lines (empty or whitespace-only) are not documents: preprocess skips them.
@@ -97,7 +97,7 @@ def test_errors(tmp_path):
 def test_python_m(tmp_path):
     src = tmp_path / "c.txt"
     src.write_text("abc\ndéf\n", encoding="utf-8")
-    r = subprocess.run([sys.executable, "-m", "megatron_cp_plugin.megatron.preprocess", "--input", str(src),
+    r = subprocess.run([sys.executable, "-m", "megatron_cp_plugin.megatron_lm.preprocess", "--input", str(src),
                         "--output-prefix", str(tmp_path / "c"), "--no-append-eod"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr

@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8", "--num-query-groups", "2",
         "--seq-length", "256", "--micro-batch-size", "2", "--lr", "1e-3", "--min-lr", "1e-4", "--log-interval", "1"]
@@ -30,7 +31,9 @@ def _losses(path):
 @pytest.fixture(scope="module")
 def cp1_losses(tmp_path_factory):
     log = tmp_path_factory.mktemp("cp1") / "log.jsonl"
-    _pretrain("--train-iters", "12", "--log-json", str(log))
+    r = _pretrain("--train-iters", "12", "--log-json", str(log))
+    # CP = 1 chooses nothing: no "attention2d -> attention2d-o (grid 1x1)" (issue 29)
+    assert "--context-parallel-algo" not in r.stdout and "local attention (CP = 1)" in r.stdout, r.stdout[:2000]
     return _losses(log)
 
 
@@ -38,6 +41,8 @@ def test_attention2d_cp4_tracks_cp1_for_12_steps(cp1_losses, tmp_path):
     log = tmp_path / "log.jsonl"
     r = _pretrain("--train-iters", "12", "--context-parallel-algo", "attention2d", "--log-json", str(log), nproc=4)
     assert r.stdout.count("--context-parallel-algo attention2d ->") == 1, r.stdout   # rank 0's, not the launcher's too
+    if not torch.cuda.is_available():     # what ran where (issue 29): no GPU units, no GPU times unless asked
+        assert "TFLOP/s/GPU" not in r.stdout and "TFLOP/s/rank" in r.stdout and " ms" not in r.stdout, r.stdout
     cp4 = _losses(log)
     assert len(cp4) == len(cp1_losses) == 12
     assert max(abs(a - b) for a, b in zip(cp4, cp1_losses)) <= 1e-4, list(zip(cp4, cp1_losses))
@@ -84,7 +89,7 @@ def test_trains_on_preprocessed_bin_idx_and_a_rewritten_corpus_does_not_reuse_st
     for n in (300, 40):
         text = tmp_path / f"corpus{n}.txt"
         text.write_text("\n".join(f"document {i}: the quick brown fox jumps over the lazy dog " * 3 for i in range(n)))
-        r = subprocess.run([sys.executable, "-m", "megatron_cp_plugin.megatron.preprocess", "--input", str(text),
+        r = subprocess.run([sys.executable, "-m", "megatron_cp_plugin.megatron_lm.preprocess", "--input", str(text),
                             "--output-prefix", str(prefix)], capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr
         if n == 300:
@@ -191,7 +196,7 @@ def eod_corpus(tmp_path_factory):
     text.write_text("\n".join(f"document {i}: the quick brown fox jumps over the lazy dog " * (1 + i % 3)
                               for i in range(200)))
     prefix = tmp / "corpus"
-    r = subprocess.run([sys.executable, "-m", "megatron_cp_plugin.megatron.preprocess", "--input", str(text),
+    r = subprocess.run([sys.executable, "-m", "megatron_cp_plugin.megatron_lm.preprocess", "--input", str(text),
                         "--output-prefix", str(prefix)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     log = tmp / "cp1.jsonl"
@@ -252,3 +257,32 @@ def test_bad_flags_fail_in_the_launcher_one_line_each(tmp_path):
     assert len(lines) == len(expected)
     r = _pretrain("--nproc", "-2", check=False, timeout=120)
     assert r.returncode == 2 and "--nproc -2: must be at least 1" in r.stderr, r.stderr
+
+
+def test_compare_cp1_runs_cp1_on_one_process_and_the_run_as_asked(monkeypatch, tmp_path, capsys):
+    """The CP = 1 command carries one --nproc (1; it was echoed as `--nproc 4 ... --nproc 1`), no CP size or grid
+    of the run's; the run keeps its own."""
+    import importlib
+
+    from megatron_cp_plugin.training.config import parse_args
+
+    launch = importlib.import_module("megatron_cp_plugin.training.launch")
+
+    calls = []
+
+    def fake_call(cmd):
+        calls.append(cmd)
+        log = cmd[cmd.index("--log-json", len(cmd) - 3) + 1]         # the last --log-json: the comparison's
+        with open(log, "w") as f:
+            f.write(json.dumps({"loss": 1.0}) + "\n")
+        return 0
+
+    monkeypatch.setattr("subprocess.call", fake_call)
+    argv = ["--nproc=4", "--compare-cp1", "--context-parallel-algo", "attention2d-no", "--cp-grid", "2x2",
+            "--context-parallel-size", "4", "--mock-data", "--train-iters", "1"]
+    launch.compare_cp1(argv, parse_args(argv))
+    cp1, run = calls
+    assert cp1.count("--nproc") == 1 and cp1[cp1.index("--nproc") + 1] == "1" and "--nproc=4" not in cp1
+    assert "--cp-grid" not in cp1 and cp1[cp1.index("--context-parallel-size") + 1] == "1"
+    assert run[run.index("--nproc") + 1] == "4" and "--cp-grid" in run and "--compare-cp1" not in run
+    assert "== CP=1: megatron-cp-pretrain --context-parallel-algo" in capsys.readouterr().out

@@ -10,15 +10,6 @@ import torch
 import torch.distributed as dist
 
 
-def free_port() -> int:
-    """An unused TCP port on 127.0.0.1 for a local rendezvous."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_distributed():
     """Under torchrun: NCCL on GPUs (one per local rank), gloo on CPU, gloo with CUDA tensors when ranks share
     GPUs (devices.py; more local ranks than GPUs without MCP_SHARE_GPU=1 / --share-gpu: one line, exit 2).

@@ -33,9 +33,10 @@ def add_cp_args(parser: argparse.ArgumentParser, default: str | None = None) -> 
     g.add_argument("--cp-grid", default=None, metavar="RxC", help="Attention2D grid, rows x cols = CP size")
     g.add_argument("--cp-gpus-per-node", type=int, default=None, metavar="N",
                    help="GPUs per node: Attention2D keeps grid rows inside a node")
-    g.add_argument("--cp-hardware", choices=sorted(HARDWARE), default=DEFAULT_HARDWARE,
-                   help="the cluster the cost model assumes for auto / attention2d (cost_model.HARDWARE; "
-                        "--cp-gpus-per-node overrides its GPUs per node)")
+    # default None (= DEFAULT_HARDWARE) so that the choice line knows whether the user asked for a cluster
+    g.add_argument("--cp-hardware", choices=sorted(HARDWARE), default=None,
+                   help=f"the cluster the cost model assumes for auto / attention2d (cost_model.HARDWARE; default "
+                        f"{DEFAULT_HARDWARE}; --cp-gpus-per-node overrides its GPUs per node)")
     return parser
 
 
@@ -71,6 +72,8 @@ class CPConfig:
     """The flag value before resolution ("auto" or "attention2d"); None when a concrete algo was given."""
     predicted: dict | None = None
     """Predicted seconds per candidate (fwd + bwd of one layer's attention) when the cost model chose."""
+    hardware_given: bool = True
+    """Whether --cp-hardware was given: without it and without a GPU here, the choice line prints no GPU times."""
 
     def __post_init__(self):
         if self.algo not in registry.flag_choices():
@@ -120,11 +123,16 @@ class CPConfig:
 
     def choice_line(self) -> str | None:
         """One line saying what the cost model chose and its predicted times (None for a concrete --algo)."""
-        if self.requested is None:
+        if self.requested is None or self.cp_size == 1:       # CP = 1: attention is local, nothing was chosen
             return None
         head = f"megatron-cp-plugin: --context-parallel-algo {self.requested} -> {self.algo}"
         if self.predicted is None:
             return head + " (no model shape given: the cost model was not consulted)"
+        if not self.hardware_given and not _have_gpu():
+            grid = f", grid {self.grid[0]}x{self.grid[1]}" if self.grid else ""
+            return (f"{head} (CP {self.cp_size}, seq {self.seq_length}{grid}: the cost model's choice for "
+                    f"{self.hardware} GPUs, the default --cp-hardware; its predicted GPU times are not printed on "
+                    f"a machine without a GPU unless --cp-hardware is given)")
         times = ", ".join(f"{a} {t * 1e3:.3g} ms" for a, t in sorted(self.predicted.items(), key=lambda x: x[1]))
         grid = f", grid {self.grid[0]}x{self.grid[1]}" if self.grid else ""
         return (f"{head} (CP {self.cp_size}, seq {self.seq_length}, heads {self.heads}/{self.kv_heads or self.heads}, "
@@ -162,6 +170,12 @@ def _model_shape(args) -> dict:
 _LOGGED: set = set()
 
 
+def _have_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def _is_rank0() -> bool:
     import torch.distributed as dist
 
@@ -185,7 +199,8 @@ def config_from_args(args, log: bool = True) -> CPConfig:
                    cp_size=getattr(args, "context_parallel_size", 1) or 1,
                    grid=parse_grid(getattr(args, "cp_grid", None)),
                    gpus_per_node=getattr(args, "cp_gpus_per_node", None), seq_length=getattr(args, "seq_length", None),
-                   hardware=getattr(args, "cp_hardware", None) or DEFAULT_HARDWARE, **_model_shape(args))
+                   hardware=getattr(args, "cp_hardware", None) or DEFAULT_HARDWARE,
+                   hardware_given=getattr(args, "cp_hardware", None) is not None, **_model_shape(args))
     if log:
         log_choice(cfg)
     return cfg

@@ -82,7 +82,7 @@ def launch(args, target, prog: str = "megatron-cp-pretrain") -> None:
     one (training.watchdog): a rank that fails, is killed or freezes for --dist-timeout seconds, or SIGINT /
     SIGTERM here, ends the job with one line naming the cause and no process left behind. With spawned ranks
     this process exits when they are done (status 0, or the failure's), so launch() does not return."""
-    from ..bench._common import free_port
+    from ..comm import free_port
 
     args.prog = prog
     if "RANK" not in os.environ and args.nproc and args.nproc > 1:
@@ -153,6 +153,19 @@ def check_world(args) -> None:
         sys.exit(2)
 
 
+def _drop_flags(argv: list[str], flags: tuple[str, ...]) -> list[str]:
+    """argv without `flags` and their values (`--flag V` and `--flag=V`)."""
+    out, skip = [], False
+    for x in argv:
+        if skip:
+            skip = False
+        elif x in flags:
+            skip = True
+        elif not x.startswith(tuple(f + "=" for f in flags)):
+            out.append(x)
+    return out
+
+
 def compare_cp1(argv: list[str], args) -> None:
     """Run CP = 1 and then the requested run as subprocesses; print their losses side by side."""
     import json
@@ -162,16 +175,18 @@ def compare_cp1(argv: list[str], args) -> None:
     from ..megatron.batch import packed_unit
 
     tmp = tempfile.mkdtemp(prefix="megatron-cp-compare-")
-    base = [x for x in argv if x != "--compare-cp1"]
+    base = _drop_flags([x for x in argv if x != "--compare-cp1"], ("--nproc",))   # CP = 1 sets its own
     if args.reset_attention_mask and args.document_unit is None:
         # Packed documents are padded to 2 x CP: CP = 1 must pad the same way to see the same batches.
         world = args.nproc or int(os.environ.get("WORLD_SIZE", 1))
         cp = args.context_parallel_size or world // args.tensor_model_parallel_size
         base += ["--document-unit", str(packed_unit(args.context_parallel_algo, cp))]
-    runs = {"CP=1": base + ["--nproc", "1", "--context-parallel-size", "1", "--log-json", f"{tmp}/cp1.jsonl"]
+    cp1 = _drop_flags(base, ("--context-parallel-size", "--log-json", "--cp-grid"))
+    nproc = ["--nproc", str(args.nproc)] if args.nproc else []
+    runs = {"CP=1": cp1 + ["--nproc", "1", "--context-parallel-size", "1", "--log-json", f"{tmp}/cp1.jsonl"]
             + (["--save", f"{tmp}/cp1-ckpt"] if args.save else [])     # not into this run's --save
             + (["--result-json", f"{tmp}/cp1.json"] if args.result_json else []),   # keep the user's for this run
-            "this run": base + ["--log-json", f"{tmp}/cp.jsonl"]}
+            "this run": base + nproc + ["--log-json", f"{tmp}/cp.jsonl"]}
     for name, flags in runs.items():
         print(f"== {name}: megatron-cp-pretrain {' '.join(flags)}", flush=True)
         if subprocess.call([sys.executable, "-m", "megatron_cp_plugin.pretrain", *flags]) != 0:

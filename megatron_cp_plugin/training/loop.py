@@ -51,7 +51,8 @@ def train(args) -> list[float]:
     flops = report.flops_per_iter(args, trainer.n_params)
     if rank == 0:
         print(f"megatron-cp-pretrain: {world} ranks (TP {args.tensor_model_parallel_size}, CP "
-              f"{args.context_parallel_size}, DP {args.data_parallel_size}), algo {cp_cfg.algo}, "
+              f"{args.context_parallel_size}, DP {args.data_parallel_size}), "
+              f"{f'algo {cp_cfg.algo}' if args.context_parallel_size > 1 else 'local attention (CP = 1)'}, "
               f"{trainer.n_params / 1e6:.2f}M parameters, {_layout_words(args)}, "
               f"{'bf16' if args.bf16 else 'fp32'} {'GPU' if gpu else 'CPU'}"
               f"{'; ' + devices.NOT_REPRESENTATIVE if gpu and devices.sharing() else ''}; TFLOP/s counts "
@@ -89,7 +90,7 @@ def train(args) -> list[float]:
                                 "lr": trainer.scheduler.get_lr(trainer.optimizer.param_groups[0]),
                                 "tokens_per_s": args.global_batch_size * args.seq_length / dt,
                                 "tflops_per_gpu": flops / dt / world / 1e12, "mem_gb": report.memory_gb(device)},
-                               args.log_json)
+                               args.log_json, gpu)
         if args.eval_interval and it % args.eval_interval == 0:
             val = trainer.evaluate()
             if rank == 0:

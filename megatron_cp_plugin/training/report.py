@@ -36,10 +36,12 @@ def memory_gb(device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-def log_row(row: dict, log_json: str | None) -> None:
-    """Rank 0's line for one logged iteration, and its JSON line when --log-json names a file."""
+def log_row(row: dict, log_json: str | None, gpu: bool = True) -> None:
+    """Rank 0's line for one logged iteration, and its JSON line when --log-json names a file. Without a GPU the
+    rate is per rank (a CPU process), not per GPU (the JSON key stays tflops_per_gpu)."""
     print(f"iter {row['iteration']:6d} | loss {row['loss']:.6f} | lr {row['lr']:.3e} | {row['tokens_per_s']:.0f} "
-          f"tokens/s | {row['tflops_per_gpu']:.3f} TFLOP/s/GPU | mem {row['mem_gb']:.2f} GB", flush=True)
+          f"tokens/s | {row['tflops_per_gpu']:.3f} TFLOP/s/{'GPU' if gpu else 'rank'} | mem {row['mem_gb']:.2f} GB",
+          flush=True)
     if log_json:
         with open(log_json, "a") as f:
             f.write(json.dumps(row) + "\n")

@@ -1,11 +1,10 @@
-"""Megatron-LM checkouts: which patch fits, applying it, and the flags a machine without TE / Apex needs.
+"""Megatron-LM checkouts: which of our patches fits, applying, checking and reverting it, and the flags a
+machine without TransformerEngine / Apex needs. The command line is megatron_lm/cli.py.
 
-    megatron-cp-megatron-lm patch DIR          # apply the patch that fits DIR's release (idempotent)
-    megatron-cp-megatron-lm check DIR [...]    # the parity harness (megatron_cp_plugin.megatron.lm_check)
-
-The patches ship with the package (megatron_cp_plugin/megatron/patches/), one per Megatron-LM release line we
-have verified; a checkout of another release gets the first one that `git apply --check`s, nearest release
-first, and a one-line error naming the releases we have when none does.
+The patches live in the repository's top-level patches/ (one per Megatron-LM release line we have verified:
+core_v0.16.1, core_v0.19.0); the wheel ships a copy inside this package (setup.py's build step). A checkout of
+another release line is refused, naming the releases we have, unless forced; forced, it gets the first patch
+that `git apply --check`s, nearest release first.
 """
 from __future__ import annotations
 
@@ -16,8 +15,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-PATCH_DIR = Path(__file__).with_name("patches")
 PATCH_RE = re.compile(r"megatron-lm-core_v(\d+)\.(\d+)\.(\d+)-context-parallel-algo\.patch")
+
+
+def patch_dir() -> Path:
+    """Where the patches are: the copy an installed wheel ships inside this package, else the top-level
+    patches/ of the source checkout this package is imported from (an editable install or PYTHONPATH)."""
+    shipped = Path(__file__).with_name("patches")
+    return shipped if shipped.is_dir() else Path(__file__).resolve().parents[2] / "patches"
+
 
 NO_TE_FLAGS = ("--transformer-impl", "local", "--no-rope-fusion", "--no-gradient-accumulation-fusion",
                "--no-masked-softmax-fusion", "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion",
@@ -46,7 +52,7 @@ def release_of(mlm_dir: str | Path) -> tuple[int, int, int]:
 def patches() -> dict[tuple[int, int, int], Path]:
     """Every shipped patch by the Megatron-LM release it was made on."""
     out = {}
-    for p in PATCH_DIR.glob("*.patch"):
+    for p in patch_dir().glob("*.patch"):
         m = PATCH_RE.fullmatch(p.name)
         if m:
             out[tuple(int(x) for x in m.groups())] = p
@@ -58,27 +64,65 @@ def _git_apply(mlm_dir: Path, patch: Path, *extra: str) -> bool:
     return r.returncode == 0
 
 
-def patch_for(mlm_dir: str | Path) -> tuple[Path, bool]:
-    """(patch, already_applied) for a checkout: the nearest release's patch that applies (or is applied)."""
+def release_name(v: tuple[int, int, int]) -> str:
+    return "core_v" + ".".join(map(str, v))
+
+
+def supported_lines() -> list[tuple[int, int]]:
+    """The (major, minor) release lines a shipped patch was made for."""
+    return sorted({v[:2] for v in patches()})
+
+
+def _unsupported(mlm_dir: Path, rel: tuple[int, int, int]) -> str:
+    lines = ", ".join(f"{a}.{b}.x" for a, b in supported_lines())
+    names = ", ".join(release_name(v) for v in patches())
+    return (f"MEGATRON_LM_DIR {mlm_dir} is Megatron-LM {'.'.join(map(str, rel))}; our patches were made for "
+            f"{names} (release lines {lines}): check out one of those, or pass --force to try the nearest "
+            f"patch that applies (untested on this release)")
+
+
+def patch_for(mlm_dir: str | Path, force: bool = False) -> tuple[Path, bool]:
+    """(patch, already_applied) for a checkout: the nearest release's patch that applies (or is applied).
+    ValueError for a release line no patch was made for (unless `force`) and when none applies."""
     mlm_dir = Path(mlm_dir)
     rel = release_of(mlm_dir)
     have = patches()
+    if not force and rel[:2] not in supported_lines():
+        raise ValueError(_unsupported(mlm_dir, rel))
     order = sorted(have, key=lambda v: (abs((v[0] - rel[0]) * 100 + v[1] - rel[1]), v != rel, -v[2]))
     for v in order:
         if _git_apply(mlm_dir, have[v], "--reverse", "--check"):
             return have[v], True
         if _git_apply(mlm_dir, have[v], "--check"):
             return have[v], False
-    names = ", ".join(f"core_v{a}.{b}.{c}" for a, b, c in have)
+    names = ", ".join(release_name(v) for v in have)
     raise ValueError(f"MEGATRON_LM_DIR {mlm_dir} (megatron-core {'.'.join(map(str, rel))}): none of our patches "
-                     f"({names}) applies; use one of those Megatron-LM releases")
+                     f"({names}) applies{' (a modified checkout?)' if rel[:2] in supported_lines() else ''}; use a clean "
+                     f"checkout of one of those releases")
 
 
-def apply_patch(mlm_dir: str | Path) -> Path:
+def applied_patch(mlm_dir: str | Path) -> Path | None:
+    """The shipped patch that is applied to a checkout (its reverse applies), or None."""
+    for p in patches().values():
+        if _git_apply(Path(mlm_dir), p, "--reverse", "--check"):
+            return p
+    return None
+
+
+def apply_patch(mlm_dir: str | Path, force: bool = False) -> Path:
     """Apply the fitting patch to a checkout unless it is applied already; returns the patch used."""
-    patch, applied = patch_for(mlm_dir)
+    patch, applied = patch_for(mlm_dir, force)
     if not applied and not _git_apply(Path(mlm_dir), patch):
         raise RuntimeError(f"git apply {patch} failed in {mlm_dir} after its --check passed")
+    return patch
+
+
+def revert_patch(mlm_dir: str | Path) -> Path | None:
+    """Take our applied patch out of a checkout; returns it, or None when none of ours was applied."""
+    release_of(mlm_dir)                          # a one-line error for a directory that is no checkout
+    patch = applied_patch(mlm_dir)
+    if patch is not None and not _git_apply(Path(mlm_dir), patch, "--reverse"):
+        raise RuntimeError(f"git apply --reverse {patch} failed in {mlm_dir} after its --check passed")
     return patch
 
 
@@ -106,34 +150,3 @@ def _provide_dataset_helpers(tree: Path) -> None:
     found = sorted(Path(r.stdout.strip()).glob("helpers_cpp*.so")) if r.stdout.strip() else []
     if found:
         shutil.copy2(found[0], dst / found[0].name)
-
-
-def main(argv=None) -> int:
-    import argparse  # noqa: PLC0415
-
-    p = argparse.ArgumentParser(prog="megatron-cp-megatron-lm", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--verbose", action="store_true", help="also show megatron-core's fallback warnings")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    pp = sub.add_parser("patch", help="apply the fitting patch to a Megatron-LM checkout (idempotent)")
-    pp.add_argument("megatron_lm", metavar="MEGATRON_LM_DIR")
-    sub.add_parser("check", help="the parity harness: see `megatron-cp-megatron-lm check --help`", add_help=False)
-    args, rest = p.parse_known_args(argv)
-    if args.cmd == "check":
-        from .lm_check import main as check_main  # noqa: PLC0415
-
-        return check_main(rest)
-    try:
-        patch, applied = patch_for(args.megatron_lm)
-        if not applied:
-            apply_patch(args.megatron_lm)
-    except ValueError as e:
-        print(f"megatron-cp-megatron-lm: error: {e}", file=sys.stderr)
-        return 2
-    print(f"megatron-cp-megatron-lm: {patch.name} {'was already' if applied else 'is now'} applied to "
-          f"{args.megatron_lm}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -2,7 +2,7 @@
 
     megatron-cp-preprocess --input FILE --output-prefix PREFIX [--json-key text]
                            [--append-eod | --no-append-eod]
-    python -m megatron_cp_plugin.megatron.preprocess ...   (same)
+    python -m megatron_cp_plugin.megatron_lm.preprocess ...   (same)
 
 Input: plain text, one document per line, or JSON lines (FILE ending in .jsonl / .json): one
 object per line with the document text under --json-key. The file is read as UTF-8 (a leading

@@ -1,6 +1,6 @@
 """Parity harness: Megatron-LM's own pretrain_gpt.py with our patch, every algorithm against CP = 1.
 
-    megatron-cp-megatron-lm check MEGATRON_LM_DIR [--cp 2 4] [--algos ...] [--pp-run ALGO] [--fsdp-run ALGO]
+    megatron-cp-megatron-lm parity MEGATRON_LM_DIR [--cp 2 4] [--algos ...] [--pp-run ALGO] [--fsdp-run ALGO]
     scripts/megatron_lm_check.sh MEGATRON_LM_DIR ...          (the same)
 
 It copies the checkout (the user's stays untouched), applies the patch that fits its release, writes a
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..algos import registry
-from .megatron_lm import NO_TE_FLAGS, apply_patch, copy_checkout, have_te, release_of
+from .patching import NO_TE_FLAGS, apply_patch, copy_checkout, have_te, patch_for, release_of
 
 LOSS_RE = re.compile(r"iteration\s+(\d+)/\s*\d+\s*\|.*?lm loss:\s*([0-9.eE+-]+)")
 TOL = {"fp32": 1e-5, "bf16": 2e-2}
@@ -155,7 +155,7 @@ def execute(runs: list[Run], tree: Path, common: list[str], n_gpus: int, logdir:
         for _, proc, *_ in active:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
-        raise SystemExit(f"megatron-cp-megatron-lm check: stopped by signal {signum}")
+        raise SystemExit(f"megatron-cp-megatron-lm parity: stopped by signal {signum}")
 
     old = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -234,7 +234,7 @@ def report(runs: list[Run], iters: int, tol: float) -> tuple[str, bool]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="megatron-cp-megatron-lm check", description=__doc__,
+    p = argparse.ArgumentParser(prog="megatron-cp-megatron-lm parity", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
     a("megatron_lm", metavar="MEGATRON_LM_DIR", help="a Megatron-LM checkout (not modified)")
@@ -254,6 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--runs-per-gpu", type=int, default=4, help="ranks of different runs sharing one GPU (the model is small; "
       "start-up, ~45 s of imports and initialisation per run on an H200 host, dominates)")
     a("--out", default=None, help="also write the report (markdown) here")
+    a("--force", action="store_true", help="a Megatron-LM release no patch was made for: try the nearest that applies")
     return p
 
 
@@ -263,28 +264,29 @@ def main(argv=None) -> int:
     tol = TOL[ns.dtype] if ns.tol is None else ns.tol
     for p in ns.cp:
         if p < 2 or ns.seq_length % registry.any_divisor(p):
-            print(f"megatron-cp-megatron-lm check: error: --cp {p}: must be >= 2 and divide --seq-length "
+            print(f"megatron-cp-megatron-lm parity: error: --cp {p}: must be >= 2 and divide --seq-length "
                   f"{ns.seq_length} / 2", file=sys.stderr)
             return 2
     try:
         rel = release_of(mlm)
+        patch_for(mlm, ns.force)                 # refuses an unsupported release before any copy or GPU work
     except ValueError as e:
-        print(f"megatron-cp-megatron-lm check: error: {e}", file=sys.stderr)
+        print(f"megatron-cp-megatron-lm parity: error: {e}", file=sys.stderr)
         return 2
     import torch  # noqa: PLC0415
 
     n_gpus = torch.cuda.device_count()
     if n_gpus == 0:
-        print("megatron-cp-megatron-lm check: no GPU: Megatron-LM's training loop requires CUDA "
+        print("megatron-cp-megatron-lm parity: no GPU: Megatron-LM's training loop requires CUDA "
               "(megatron/training/initialize.py asserts it); nothing was run", file=sys.stderr)
         return 3
     work = Path(ns.workdir or tempfile.mkdtemp(prefix="mcp-megatron-lm-")).resolve()
     tree = copy_checkout(mlm, work / "Megatron-LM")
-    patch = apply_patch(tree)
+    patch = apply_patch(tree, ns.force)
     data = make_corpus(mlm, work / "data" / "corpus")
     (work / "logs").mkdir(exist_ok=True)
     runs, notes = plan_runs(ns, n_gpus)
-    print(f"megatron-cp-megatron-lm check: Megatron-LM {mlm} (megatron-core {'.'.join(map(str, rel))}), "
+    print(f"megatron-cp-megatron-lm parity: Megatron-LM {mlm} (megatron-core {'.'.join(map(str, rel))}), "
           f"{patch.name}, {n_gpus} GPU(s), {ns.dtype}, {len(runs)} runs, work dir {work}", flush=True)
     execute(runs, tree, model_flags(ns, data), n_gpus, work / "logs", ns.timeout, ns.runs_per_gpu)
     table, ok = report(runs, ns.iters, tol)

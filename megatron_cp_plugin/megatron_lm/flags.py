@@ -1,6 +1,6 @@
 """The same TOML configs for both trainers: megatron-cp-pretrain flags -> Megatron-LM pretrain_gpt.py flags.
 
-    python -m megatron_cp_plugin.megatron.lm_flags --world-size 64 --config configs/gpt3-13b.toml \\
+    python -m megatron_cp_plugin.megatron_lm.flags --world-size 64 --config configs/gpt3-13b.toml \\
         configs/algo/attention2d-no.toml --seq-length 65536 [--layout auto|zero1|fsdp] [-- more flags]
 
 prints the pretrain_gpt.py arguments, one per line (launch/run.sh reads them with `mapfile`). The configs'
@@ -18,7 +18,9 @@ import argparse
 import math
 import sys
 
-from .megatron_lm import NO_TE_FLAGS, have_te
+from ..megatron.tokenizer import padded_vocab_size
+from ..training.config import build_parser, parse_args
+from .patching import NO_TE_FLAGS, have_te
 
 DROPPED = {"config", "verbose", "result_json", "log_json", "nproc", "compare_cp1", "help", "tokenizer_type", "vocab_size",
            "dist_timeout", "data_path", "mock_data", "num_query_groups", "max_position_embeddings",
@@ -37,7 +39,6 @@ def gpt_params(a) -> float:
     kv = 2 * h * groups // a.num_attention_heads
     ffn = a.ffn_hidden_size or 4 * h
     per_layer = h * (h + kv) + h * h + 2 * h * ffn
-    from .tokenizer import padded_vocab_size
     vocab = padded_vocab_size(a.vocab_size or 257, a.make_vocab_size_divisible_by, a.tensor_model_parallel_size)
     return layers * per_layer + vocab * h
 
@@ -98,11 +99,10 @@ def megatron_lm_flags(a: argparse.Namespace, parser: argparse.ArgumentParser, *,
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    pre = argparse.ArgumentParser(prog="python -m megatron_cp_plugin.megatron.lm_flags", add_help=False)
+    pre = argparse.ArgumentParser(prog="python -m megatron_cp_plugin.megatron_lm.flags", add_help=False)
     pre.add_argument("--world-size", type=int, required=True)
     pre.add_argument("--layout", choices=("auto", "zero1", "fsdp"), default="auto")
     ns, rest = pre.parse_known_args(argv)
-    from ..training.config import build_parser, parse_args  # noqa: PLC0415 (the trainer's flags, --config)
 
     try:
         args = parse_args(rest)
