@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from . import cost_compute
 from .algos import ALGORITHMS, BASELINES
 
 A2D = tuple(a for a in ALGORITHMS if a.startswith("attention2d"))
@@ -267,6 +268,7 @@ def predict(algo: str, pb: Problem, hw: Hardware) -> Prediction:
     if not pb.feasible(algo):
         raise ValueError(f"seq_len {pb.seq_len} cannot be sharded for {algo} over {pb.world} ranks "
                          f"(zigzag needs a multiple of 2P, cyclic of P)")
+    hw = cost_compute.scaled(algo, pb, hw)      # the algorithm's measured local-work factor (issue 26)
     if algo.startswith("attention2d"):
         return _attention2d(algo, pb, hw)
     return _ring_family(algo, pb, hw)

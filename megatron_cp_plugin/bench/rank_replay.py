@@ -23,18 +23,25 @@ at the first length of each (algo, grid, P, heads) and the slowest is timed (--r
   kernels, memcpy    CUDA only: device kernels and memcpy/memset per fwd+bwd (torch.profiler); memcpy includes
                      the replayed receives
   copy_MB            bytes the replayed receives copy per fwd+bwd (what the wire would have written)
+  x_model            x_ideal over the cost model's own x_ideal for that rank (its compute-only prediction over
+                     the ideal at its kernel rates): the factor cost_compute.py applies; --fit-out PATH writes
+                     their means per (algo, grid, P) as the cost model's fit (megatron_cp_plugin/configs/
+                     rank_compute.json)
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import json
 import statistics
 import time
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .. import comm
+from .. import comm, cost_compute
+from ..cost_model import HARDWARE, Problem, predict
 from ..algos.attention2d import attention2d_no
 from ..algos.attention2d_o import attention2d_o
 from ..algos.burst import burst_attention
@@ -214,6 +221,36 @@ def single_device_ms(S, h, hk, d, dev, dtype, iters, budget_s) -> float:
     return statistics.median(ts[1:])
 
 
+# ----------------------------------------------------------------------------------------------- fit
+def model_x_ideal(algo, S, P, h, hk, d, grid, elem) -> float:
+    """The cost model's compute-only time of one rank (no factor, free links) over its ideal, (F + B) / P at
+    its kernel rates: what the model assumes a rank's local work costs beyond the kernels."""
+    hw = dataclasses.replace(HARDWARE["h200-nvlink"], intra_bw=1e30, inter_bw=1e30, intra_lat=0.0, inter_lat=0.0)
+    pb = Problem(S, P, h, hk, d, 1, elem, True, grid=grid, node_aware=False)
+    with cost_compute.disabled():
+        pred = predict(algo, pb, hw)
+    return pred.total_s / (pred.fwd_flops / hw.fwd_tflops + pred.bwd_flops / hw.bwd_tflops)
+
+
+def fit(rows, command: str, device: str) -> dict:
+    """The cost model's fit file: mean x_model per "<algo> RxC" (and "<algo>" from square grids) and P."""
+    acc: dict = {}
+    for r in rows:
+        if "x_model" not in r:
+            continue
+        keys = [r["algo"]] if r["grid"] == "-" else [f"{r['algo']} {r['grid']}"]
+        R, C = (int(x) for x in r["grid"].split("x")) if r["grid"] != "-" else (0, 0)
+        if R and R == C:
+            keys.append(r["algo"])
+        for key in keys:
+            acc.setdefault(key, {}).setdefault(str(r["P"]), []).append(r["x_model"])
+    factors = {k: {P: statistics.fmean(xs) for P, xs in per.items()} for k, per in acc.items()}
+    return {"about": "Per-algorithm compute factors of the cost model (megatron_cp_plugin/cost_compute.py): a "
+                     "rank's measured fwd+bwd local work over the ideal, divided by the model's own ratio; mean "
+                     "over the problems (lengths, MHA / GQA) of each algorithm, grid and P.",
+            "source": f"{command} on {device}", "factors": factors}
+
+
 # ----------------------------------------------------------------------------------------------- driver
 def _shards(S, P, h, hk, d, dev, dtype):
     """Random local shards (b = 1): the replay's timing does not depend on which tokens they are."""
@@ -272,6 +309,8 @@ def main(argv=None):
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="of q, k, v (bf16 also on CPU, so that "
                    "its casts are counted as on a GPU)")
     p.add_argument("--out", default="results/rank_replay", help="writes OUT.json and OUT.md")
+    p.add_argument("--fit-out", default=None, metavar="PATH", help="also write the cost model's compute factors "
+                   "(megatron_cp_plugin/configs/rank_compute.json is the one it reads)")
     a = p.parse_args(argv)
     _check_args(p, a)
     dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
@@ -307,8 +346,10 @@ def main(argv=None):
                         if picked[key][1] is None:                        # the same code path at every length
                             picked[key][1] = count_launches(rep)
                         f, b, n = measure(rep, a.iters, a.budget_s)      # copies: of its last call
+                        x_model = (f + b) / ideal / model_x_ideal(algo, S, P, h, hk, d, grid, dtype.itemsize)
                         row.update({"rank": picked[key][0], "fwd_ms": f, "bwd_ms": b, "fwd_bwd_ms": f + b,
-                                    "ideal_ms": ideal, "x_ideal": (f + b) / ideal, "ideal_from": ideal_from,
+                                    "ideal_ms": ideal, "x_ideal": (f + b) / ideal, "x_model": x_model,
+                                    "ideal_from": ideal_from,
                                     **picked[key][1], "copies": rep.d.copies,
                                     "copy_MB": rep.d.copied_bytes / 2**20, "iters": n})
                     except torch.OutOfMemoryError:
@@ -324,4 +365,8 @@ def main(argv=None):
               f"on-device copies); b=1 d={d} causal {dtype}. {FLOP_FORMULA}. ideal = one-device fwd+bwd / P. "
               f"ops: aten ops that compute per fwd+bwd (each attention call counts once).")
     print(write_report(rows, a.out, header))
+    if a.fit_out:
+        import sys
+        with open(a.fit_out, "w") as fh:
+            json.dump(fit(rows, " ".join(sys.argv), name), fh, indent=1)
     return 0
