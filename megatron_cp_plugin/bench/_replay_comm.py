@@ -7,7 +7,8 @@ receive buffers, `all_to_all`'s byte packing, `reduce_at_owner`'s casts and sum,
 
 `ReplayDist(world, rank)` plays every other rank: each receive is filled by one on-device copy of the bytes it
 would receive. Its first run `prepare`s them: a receive gets a copy of what this rank sends in the same call
-(right shapes, dtypes and realistic values: the rank's own data), kept as the source of later runs. Given a
+(right shapes, dtypes and realistic values: the rank's own data; the first of each shape and dtype is kept and
+reused), the source of later runs. Given a
 `source` (e.g. what `Recorder` captured from a real run), it replays exactly those bytes, so its outputs equal
 the distributed run's (tests/test_rank_replay.py). `Recorder` wraps the real torch.distributed and keeps a copy
 of every receive, in the same order.
@@ -79,6 +80,7 @@ class ReplayDist:
         self.WORLD = FakeGroup(tuple(range(world)), rank)
         self.preparing = source is None
         self.source = [] if source is None else source
+        self._pool = {}
         self.rewind()
 
     def rewind(self):
@@ -89,8 +91,13 @@ class ReplayDist:
 
     def _fill(self, out: torch.Tensor, echo: torch.Tensor):
         if self.preparing:
-            out.copy_(echo)
-            self.source.append(out.clone())
+            # One prepared tensor per shape and dtype: the copies and their bytes are what matter, and a long
+            # ring's receives would not all fit (ring, P = 16, 1M tokens: 60 GB of them).
+            key = (tuple(out.shape), out.dtype)
+            if key not in self._pool:
+                self._pool[key] = echo.clone(memory_format=torch.contiguous_format)
+            out.copy_(self._pool[key])
+            self.source.append(self._pool[key])
         else:
             if self.cursor >= len(self.source):
                 raise AssertionError(f"replay: receive {self.cursor} has no prepared source ({len(self.source)} "
