@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from . import cost_compute
 from .algos import registry
 from .comm import attention2d_bytes, choose_grid, grid_rank, kv_moves, wire_bytes
 # Re-exported: `cost_model` is the one import path for the whole model (hardware, attention, decode).
@@ -267,6 +268,7 @@ def predict(algo: str, pb: Problem, hw: Hardware) -> Prediction:
     if not pb.feasible(algo):
         raise ValueError(f"seq_len {pb.seq_len} cannot be sharded for {algo} over {pb.world} ranks "
                          f"(its {row.layout} layout needs a multiple of {row.divisor(pb.world)})")
+    hw = cost_compute.scaled(algo, pb, hw)      # the algorithm's measured local-work factor (issue 26)
     return row.predict(algo, pb, hw)
 
 

@@ -73,7 +73,7 @@ def attn_fix_all_to_all(grid: CPGrid, o_part, lse_part, stats=None):
     w = torch.exp(lse_all - m)                                      # [C, b, h, s]
     den = w.sum(0)
     o = (o_all * w.transpose(2, 3).unsqueeze(-1)).sum(0)
-    o = o / torch.where(den > 0, den, torch.ones_like(den)).transpose(1, 2).unsqueeze(-1)
+    o = o.div_(torch.where(den > 0, den, 1.0).transpose(1, 2).unsqueeze(-1))
     return o, m + torch.log(den)                                    # den == 0 -> -inf (no key seen)
 
 
@@ -116,17 +116,18 @@ def _backward(grid: CPGrid, do, q, kv, o, lse, *, causal, scale, backend, stats=
     stat_all = all_gather(grid.row, torch.stack([delta, lse.to(acc)]), stats, ph)  # [C, 2, b, h, s]
     kv_all = all_gather(grid.col, kv, stats, ph)
     # Line 6: block backward per pair from the global (o, lse).
-    dq_part = torch.zeros(q_all.shape, dtype=acc, device=q.device)
-    dkv_part = torch.zeros(kv_all.shape, dtype=acc, device=q.device)
+    # Every partial starts as its first block's result (no zero-fill): dQ chunk c at r = 0, dK, dV chunk r at c = 0.
+    dq_part = torch.empty(q_all.shape, dtype=acc, device=q.device)
+    dkv_part = torch.empty(kv_all.shape, dtype=acc, device=q.device)
     for c in range(C):
         o_c = surrogate_out(do_all[c], stat_all[c, 0])     # O is not gathered: built once for the R key chunks
         for r in range(R):
             mask = pair_mask(grid.row_ranks[c], grid.kv_owner(r, grid.j), causal)
             dq_b, dk_b, dv_b = block_bwd(do_all[c], q_all[c], kv_all[r, 0], kv_all[r, 1], o_c, stat_all[c, 1],
                                          mask=mask, scale=scale, backend=backend, cu_seqlens_q=seg)
-            dq_part[c].add_(dq_b)
-            dkv_part[r, 0].add_(dk_b)
-            dkv_part[r, 1].add_(dv_b)
+            (dq_part[c].copy_ if r == 0 else dq_part[c].add_)(dq_b)
+            (dkv_part[r, 0].copy_ if c == 0 else dkv_part[r, 0].add_)(dk_b)
+            (dkv_part[r, 1].copy_ if c == 0 else dkv_part[r, 1].add_)(dv_b)
     # Lines 7-9: dQ summed at its owner in the row, dK, dV in the column, then back to column-major.
     dq = reduce_at_owner(grid.row, dq_part, grid.j, acc, stats, ph)      # fp32: see the module docstring
     dkv = reduce_at_owner(grid.col, dkv_part, grid.i, q.dtype, stats, ph).to(q.dtype)

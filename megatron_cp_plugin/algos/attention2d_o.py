@@ -74,7 +74,7 @@ def _forward(grid: CPGrid, q, k, v, *, causal, scale, backend, stats=None, packi
             o_b, lse_b = block_fwd(q_blk, kv_chunks[kv_row][0], kv_chunks[kv_row][1], mask=mask, scale=scale,
                                    backend=backend, cu_seqlens_q=seg)           # Alg. 5 / 6 line 5
             if o_t is None:
-                o_t, lse_t = o_b.to(acc), lse_b.clone()
+                o_t, lse_t = o_b.to(acc), lse_b                 # (the kernel's own lse: no copy)
             else:
                 merge_(o_t, lse_t, o_b, lse_b)                                  # Alg. 5 line 6: AttnFix
             if t == 0 and u + 1 < R:                 # the next hop's chunk (grid row i - u - 1) has arrived
@@ -107,7 +107,8 @@ def _backward(grid: CPGrid, do, q, kv, o, lse, *, causal, scale, backend, stats=
     blk = (q, do, attention_delta(do, o), lse)                                 # Alg. 8 lines 2-4: D, then the ring
     kv_chunks = [None] * R
     kv_chunks[i] = kv
-    dkv_part = torch.zeros((R,) + tuple(kv.shape), dtype=acc, device=q.device)   # dK, dV of every chunk here
+    # dK, dV of every chunk here, each started by pass 0's result for it (no zero-fill)
+    dkv_part = torch.empty((R,) + tuple(kv.shape), dtype=acc, device=q.device)
     dq_in = dkv_in = None
     for t in range(C):                               # t = 0: GthrCmptBwd (Alg. 9); t >= 1: GthrCmptSctrBwd (10)
         if t + 1 < C:                                # pass (Q, dO, D, lse) on round the row
@@ -116,7 +117,7 @@ def _backward(grid: CPGrid, do, q, kv, o, lse, *, causal, scale, backend, stats=
         o_j = surrogate_out(do_j, delta_j)           # O never travels: built once for the R key chunks
         q_res = grid.row_ranks[(j - t) % C]          # Q block in hand: column (j - t)'s, tokens = q_res mod P
         last = t == C - 1                            # the last pass also reduce-scatters dK, dV (Alg. 11)
-        dq_t = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dq_t = None                                  # this Q block's dQ, started by its first block's result
         # Hops in order: pass 0 takes the chunks as they arrive (u = 0, 1, ...); the other passes take rows
         # i-1, i-2, ... and their own row last, so that every chunk's dK, dV is final just when its turn in
         # the column reduce-scatter comes (Alg. 11).
@@ -128,9 +129,9 @@ def _backward(grid: CPGrid, do, q, kv, o, lse, *, causal, scale, backend, stats=
             mask = pair_mask(q_res, grid.kv_owner(kv_row, j), causal)
             dq_b, dk_b, dv_b = block_bwd(do_j, q_j, kv_chunks[kv_row][0], kv_chunks[kv_row][1], o_j, lse_j,
                                          mask=mask, scale=scale, backend=backend, cu_seqlens_q=seg)
-            dq_t.add_(dq_b)
-            dkv_part[kv_row, 0].add_(dk_b)
-            dkv_part[kv_row, 1].add_(dv_b)
+            dq_t = dq_b.to(acc) if dq_t is None else dq_t.add_(dq_b)
+            (dkv_part[kv_row, 0].copy_ if t == 0 else dkv_part[kv_row, 0].add_)(dk_b)   # pass 0 meets every chunk
+            (dkv_part[kv_row, 1].copy_ if t == 0 else dkv_part[kv_row, 1].add_)(dv_b)   # first
             if last and u > 0:                       # Alg. 11 line 14: chunk kv_row is final here; pass it on
                 if dkv_in is not None:
                     dkv_ring.wait()

@@ -24,7 +24,7 @@ import torch
 from ..comm import CommStats, Ring
 from ..kernels.local_attn import acc_dtype, attention_delta, block_bwd, surrogate_out
 from ._function import CPAttention, in_zigzag_order, saving_inputs
-from ._zigzag import zigzag_blocks
+from ._zigzag import ALL, zigzag_blocks
 from .ring import ring_forward
 
 
@@ -33,9 +33,8 @@ def _backward(group, do, q, k, v, o, lse, *, causal, scale, backend, stats=None,
     ring_q, ring_dq = Ring(group, "backward", stats), Ring(group, "backward", stats)
     P, r, s = ring_q.world, ring_q.rank, q.shape[1]
     acc = acc_dtype(q.dtype)
-    # Lines 1-2: dK, dV accumulate here; D_i = rowsum(dO_i o O_i).
-    dk = torch.zeros(k.shape, dtype=acc, device=k.device)
-    dv = torch.zeros_like(dk)
+    # Lines 1-2: dK, dV accumulate here (started by step 0's result: no zero-fill); D_i = rowsum(dO_i o O_i).
+    dk = dv = None
     delta = attention_delta(do, o)
     blk = (q, do, delta, lse)                                   # line 3: (Q, dO, D, lse) into the ring
     dq_in = None                                                # travelling dQ of the block in hand
@@ -56,12 +55,20 @@ def _backward(group, do, q, k, v, o, lse, *, causal, scale, backend, stats=None,
             # Lines 8-14 with a flash kernel: P = exp(QK^T - lse_j), dV += P^T dO, dS = P o (dO V^T - D), ...
             dq_b, dk_b, dv_b = block_bwd(do_j[:, qs], q_j[:, qs], k[:, ks], v[:, ks], o_j, lse_j[:, :, qs],
                                          mask=mask, scale=scale, backend=backend, cu_seqlens_q=seg)
-            dk[:, ks].add_(dk_b)
-            dv[:, ks].add_(dv_b)
+            if dk is None and ks == ALL:                        # step 0's one block covers every key
+                dk, dv = dk_b.to(acc), dv_b.to(acc)
+            else:
+                if dk is None:                                  # packed: step 0 comes in pieces
+                    dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+                    dv = torch.zeros_like(dk)
+                dk[:, ks].add_(dk_b)
+                dv[:, ks].add_(dv_b)
             dq_blocks.append((qs, dq_b))
-        if step == 0 or dq_in is None:
-            # Own block (step 0): kept here, added at the end. Else the accumulator of Q block src holds the
-            # contributions of ranks src+1 .. r-1: none at step 1.
+        if step == 0 and len(dq_blocks) == 1 and dq_blocks[0][0] == ALL:
+            dq_acc = dq_blocks.pop()[1].to(acc)                 # own block, one call over all rows: its result
+        elif step == 0 or dq_in is None:
+            # Own block in pieces (packed): kept here, added at the end. Else the accumulator of Q block src
+            # holds the contributions of ranks src+1 .. r-1: none at step 1.
             dq_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
         else:
             ring_dq.wait()                                      # after the compute: the transfer overlapped it

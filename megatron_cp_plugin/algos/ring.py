@@ -40,7 +40,7 @@ def ring_forward(group, q, k, v, *, causal, scale, backend, stats=None, packing=
             o_blk, lse_blk = block_fwd(q[:, qs], kv[0][:, ks], kv[1][:, ks], mask=mask, scale=scale,
                                        backend=backend, cu_seqlens_q=seg)
             if o is None and qs == ALL:                         # step 0's one block covers every row
-                o, lse = o_blk.to(acc_dtype(q.dtype)), lse_blk.clone()
+                o, lse = o_blk.to(acc_dtype(q.dtype)), lse_blk      # (the kernel's own lse: no copy)
                 continue
             if o is None:                                       # packed: step 0 comes in pieces
                 o = torch.zeros(q.shape, dtype=acc_dtype(q.dtype), device=q.device)
@@ -58,7 +58,7 @@ def _backward(group, do, q, k, v, o, lse, *, causal, scale, backend, stats=None,
     ring_kv, ring_dkv = Ring(group, "backward", stats), Ring(group, "backward", stats)
     P, r, s = ring_kv.world, ring_kv.rank, q.shape[1]
     acc = acc_dtype(q.dtype)
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dq = None
     kv = (k, v)
     dkv_in = None                                               # travelling dK, dV of the block in hand
     for step in range(P):
@@ -69,11 +69,20 @@ def _backward(group, do, q, k, v, o, lse, *, causal, scale, backend, stats=None,
         for qs, ks, mask, seg in zigzag_blocks(r, src, s, causal, packing):
             dq_b, dk_b, dv_b = block_bwd(do[:, qs], q[:, qs], kv[0][:, ks], kv[1][:, ks], o[:, qs], lse[:, :, qs],
                                          mask=mask, scale=scale, backend=backend, cu_seqlens_q=seg)
+            if dq is None and qs == ALL:                        # step 0's one block covers every row: no zero-fill
+                dq = dq_b.to(acc)
+                continue
+            if dq is None:                                      # packed: step 0 comes in pieces
+                dq = torch.zeros(q.shape, dtype=acc, device=q.device)
             dq[:, qs].add_(dq_b)
             dkv_blocks.append((ks, dk_b, dv_b))
-        if step == 0 or dkv_in is None:
-            # Own block (step 0): kept here, added at the end. Else the accumulator of block src holds the
-            # contributions of ranks src+1 .. r-1: none at step 1.
+        if step == 0 and not dkv_blocks:
+            # Own block (step 0), one call over all keys: its result starts our dK, dV accumulator (kept here,
+            # the last hop's sum added at the end).
+            dk_acc, dv_acc = dk_b.to(acc), dv_b.to(acc)
+        elif step == 0 or dkv_in is None:
+            # Packed own block in pieces; or the accumulator of block src, which holds the contributions of
+            # ranks src+1 .. r-1: none at step 1.
             dk_acc = torch.zeros(k.shape, dtype=acc, device=k.device)
             dv_acc = torch.zeros_like(dk_acc)
         else:

@@ -4,7 +4,7 @@
     torchrun --nproc-per-node 2 -m megatron_cp_plugin.bench packed --tokens 131072 --mean-doc 4096
     torchrun --nproc-per-node 2 -m megatron_cp_plugin.bench decode --context 32768 131072 524288
     torchrun --nproc-per-node 2 -m megatron_cp_plugin.bench model --config configs/gpt3-760m.toml --seq-length 65536
-    python -m megatron_cp_plugin.bench deft | flash-decode | local-attn | cost-model --table ...
+    python -m megatron_cp_plugin.bench deft | flash-decode | local-attn | rank | cost-model --table ...
     python -m megatron_cp_plugin.bench plan --config configs/gpt3-175b.toml --gpus 64 --gpu-mem 80
     python -m megatron_cp_plugin.bench plot results/attention.json
 
@@ -26,6 +26,7 @@ SUBCOMMANDS = {
     "deft": ("megatron_cp_plugin.bench.deft", "DeFT tree-attention workloads against the baselines"),
     "flash-decode": ("megatron_cp_plugin.bench.flash_decode", "the split-KV decode kernel vs prefill kernels"),
     "local-attn": ("megatron_cp_plugin.bench.local_attn", "local attention kernels (cuDNN, FA2, math)"),
+    "rank": ("megatron_cp_plugin.bench.rank_replay", "one rank's local work per algorithm on one device, vs ideal"),
     "cost-model": ("megatron_cp_plugin.bench.cost_report", "the cost model's tables (--table), one problem (--seq)"),
     "plan": ("megatron_cp_plugin.bench.plan", "per-GPU memory of a config under ZeRO-1/2/3, pipeline stages, recompute"),
     "plot": (None, "draw the PNG of a result JSON (when it was written without matplotlib)"),

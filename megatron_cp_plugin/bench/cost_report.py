@@ -12,6 +12,8 @@ decode    decode on one 8 x H200 node, Llama-3.1-8B attention, P = 2, 4, 8.
 scale     P = 16, 32, 64 over 100-400 Gb/s links, every algorithm against ring-te, and the attention2d paper's
           Sec. 4 claims beside the model's speed-ups (bench/cost_scale.py).
 bytes     mean bytes per rank against ring-te at P = 4, 16, 64 (MHA, bf16, 128k) and issue 16's targets.
+step      the P = 4 NVLink training step per algorithm (GPT-3 2.7B, 64k) beside the measured 2026-11-22 one, with
+          each algorithm's compute factor from `megatron-cp-bench rank` (bench/cost_step.py).
 --out STEM writes STEM.json (the rows, unformatted) and STEM.md (what is printed).
 """
 from __future__ import annotations
@@ -26,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..algos.registry import names
-from . import cost_scale
+from . import cost_scale, cost_step
 from ..cost_model import (DECODE_METHODS, FA2_H100, HARDWARE, DecodeProblem, Hardware, Problem, choose_algo,
                           predict, predict_decode)
 
@@ -329,7 +331,8 @@ def table_bytes() -> list[Table]:
 
 
 TABLES = {"measured": table_measured, "papers": table_papers, "node8": table_node8, "decode": table_decode,
-          "scale": table_scale, "bytes": table_bytes}
+          "scale": table_scale, "bytes": table_bytes,
+          "step": lambda: [Table(cost_step.title(), cost_step.step_rows(), {"factor": lambda v: f"{v:.3g}"})]}
 
 
 def main(argv=None) -> int:

@@ -263,14 +263,16 @@ def surrogate_out(do: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     mag = x.abs()
     top, idx = mag.topk(min(3, x.shape[-1]), -1)
     l1 = mag.sum(-1, keepdim=True)
-    c = (t / torch.where(l1 > 0, l1, torch.ones_like(l1))).clamp(-big, big).to(do.dtype).to(acc)
+    c = (t / torch.where(l1 > 0, l1, 1.0)).clamp_(-big, big).to(do.dtype).to(acc)
     out = torch.sign(x).mul_(c)
     rest = t - c * (l1 - top.sum(-1, keepdim=True))                     # what the top entries must carry
     xs, vals = x.gather(-1, idx), []
+    zero = xs == 0                                                      # (mask and divisors built once)
+    xs_safe = torch.where(zero, 1.0, xs)
     for i in range(idx.shape[-1]):
         xi = xs[..., i:i + 1]
-        val = (rest / torch.where(xi != 0, xi, torch.ones_like(xi))).clamp(-big, big).to(do.dtype).to(acc)
-        val = torch.where(xi != 0, val, torch.zeros_like(val))
+        val = (rest / xs_safe[..., i:i + 1]).clamp_(-big, big).to(do.dtype).to(acc)
+        val.masked_fill_(zero[..., i:i + 1], 0.0)
         rest = rest - xi * val
         vals.append(val)
     return out.scatter_(-1, idx, torch.cat(vals, -1)).to(do.dtype)

@@ -13,7 +13,7 @@ import torch
 
 def finite_lse(lse: torch.Tensor) -> torch.Tensor:
     """lse with -inf replaced by 0, so that `x - lse` never forms -inf - (-inf)."""
-    return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    return torch.where(torch.isinf(lse), 0.0, lse)
 
 
 def merge_(o: torch.Tensor, lse: torch.Tensor, o_blk: torch.Tensor, lse_blk: torch.Tensor) -> None:
@@ -21,11 +21,12 @@ def merge_(o: torch.Tensor, lse: torch.Tensor, o_blk: torch.Tensor, lse_blk: tor
 
     o [b, s, h, d] fp32/fp64 accumulator (a view is fine); lse [b, h, s] same dtype family;
     o_blk [b, s, h, d] any float dtype; lse_blk [b, h, s] fp32.
-    """
-    lse_new = torch.logaddexp(lse, lse_blk.to(lse.dtype))
-    ref = finite_lse(lse_new)
-    w_old = torch.exp(lse - ref).transpose(1, 2).unsqueeze(-1)      # [b, s, h, 1]
-    w_blk = torch.exp(lse_blk.to(lse.dtype) - ref).transpose(1, 2).unsqueeze(-1)
-    o.mul_(w_old).add_(o_blk.to(o.dtype) * w_blk)
-    lse.copy_(lse_new)
 
+    Five elementwise kernels (six with o_blk's cast), one read and write of o: the block's weight
+    exp(lse_blk - lse_new) is sigmoid(lse_blk - lse), the old part's 1 minus it, so o moves toward o_blk by
+    lerp. Rows where both are -inf (no key seen yet) give NaN there, zeroed: o stays 0, lse -inf.
+    """
+    lse_blk = lse_blk.to(lse.dtype)
+    w = torch.sub(lse_blk, lse).sigmoid_().nan_to_num_(0.0)            # [b, h, s]
+    torch.logaddexp(lse, lse_blk, out=lse)
+    o.lerp_(o_blk.to(o.dtype), w.transpose(1, 2).unsqueeze(-1))

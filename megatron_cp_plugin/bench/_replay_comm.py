@@ -1,0 +1,195 @@
+"""torch.distributed as comm.py sees it, for one rank replayed in one process (bench/rank_replay.py).
+
+`comm.py` is the only module of the algorithms that calls torch.distributed (`comm.dist`, `comm._ALL_GATHER`).
+`patched(d)` swaps both for `d` while an algorithm runs, so everything above the wire runs unchanged: the
+algorithm's kernels, merges, casts and accumulations, and comm.py's own packing (`Ring`'s contiguous copies and
+receive buffers, `all_to_all`'s byte packing, `reduce_at_owner`'s casts and sum, `CPGrid`'s bookkeeping).
+
+`ReplayDist(world, rank)` plays every other rank: each receive is filled by one on-device copy of the bytes it
+would receive. Its first run `prepare`s them: a receive gets a copy of what this rank sends in the same call
+(right shapes, dtypes and realistic values: the rank's own data; the first of each shape and dtype is kept and
+reused), the source of later runs. Given a
+`source` (e.g. what `Recorder` captured from a real run), it replays exactly those bytes, so its outputs equal
+the distributed run's (tests/test_rank_replay.py). `Recorder` wraps the real torch.distributed and keeps a copy
+of every receive, in the same order.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as _dist
+
+from .. import comm
+
+
+@contextlib.contextmanager
+def patched(d):
+    """comm.py's torch.distributed replaced by `d` (a ReplayDist or Recorder) inside the block."""
+    for name in ("dist", "_ALL_GATHER"):        # a renamed hook would otherwise make the replay call real dist
+        if not hasattr(comm, name):
+            raise AssertionError(f"bench replay: comm.{name} is gone; update bench/_replay_comm.py")
+    saved = comm.dist, comm._ALL_GATHER
+    comm.dist, comm._ALL_GATHER = d, d.all_gather
+    try:
+        yield d
+    finally:
+        comm.dist, comm._ALL_GATHER = saved
+
+
+@dataclass(frozen=True, eq=False)
+class FakeGroup:
+    """A process group of global ranks `ranks`, seen from global rank `me`."""
+
+    ranks: tuple
+    me: int
+
+
+@dataclass(frozen=True)
+class _P2POp:
+    op: object
+    tensor: torch.Tensor
+    peer: int
+    group: object = None
+    tag: int = 0
+
+
+class _Done:
+    def wait(self):
+        return True
+
+
+def isend(*_a, **_k):     # P2POp markers only: comm.py posts every transfer through batch_isend_irecv
+    raise AssertionError("replay: isend is only posted through batch_isend_irecv")
+
+
+def irecv(*_a, **_k):
+    raise AssertionError("replay: irecv is only posted through batch_isend_irecv")
+
+
+class ReplayDist:
+    """torch.distributed for global rank `rank` of `world`, without a process group (see the module docstring).
+
+    copies / copied_bytes count the replayed receives (one on-device copy each) since the last `rewind`."""
+
+    P2POp, isend, irecv = _P2POp, staticmethod(isend), staticmethod(irecv)
+
+    def __init__(self, world: int, rank: int, source: list | None = None, backend: str = "nccl"):
+        self.world, self.rank, self.backend = world, rank, backend
+        self.WORLD = FakeGroup(tuple(range(world)), rank)
+        self.preparing = source is None
+        self.source = [] if source is None else source
+        self._pool = {}
+        self.rewind()
+
+    def rewind(self):
+        """Start a new call (fwd, or fwd + bwd): the next receive is the source's first."""
+        self.cursor = self.copies = self.copied_bytes = 0
+        if self.preparing and self.source:
+            self.preparing = False
+
+    def _fill(self, out: torch.Tensor, echo: torch.Tensor):
+        if self.preparing:
+            # One prepared tensor per shape and dtype: the copies and their bytes are what matter, and a long
+            # ring's receives would not all fit (ring, P = 16, 1M tokens: 60 GB of them).
+            key = (tuple(out.shape), out.dtype)
+            if key not in self._pool:
+                self._pool[key] = echo.clone(memory_format=torch.contiguous_format)
+            out.copy_(self._pool[key])
+            self.source.append(self._pool[key])
+        else:
+            if self.cursor >= len(self.source):
+                raise AssertionError(f"replay: receive {self.cursor} has no prepared source ({len(self.source)} "
+                                     "prepared): the algorithm's communication differs from the prepared run")
+            src = self.source[self.cursor]
+            if src.shape != out.shape or src.dtype != out.dtype:
+                raise AssertionError(f"replay: receive {self.cursor} is {out.dtype} {tuple(out.shape)}, prepared "
+                                     f"{src.dtype} {tuple(src.shape)}")
+            out.copy_(src)
+        self.cursor += 1
+        self.copies += 1
+        self.copied_bytes += out.numel() * out.element_size()
+
+    # -- groups
+    def is_initialized(self):
+        return True
+
+    def get_rank(self, group=None):
+        g = group or self.WORLD
+        return g.ranks.index(g.me)
+
+    def get_world_size(self, group=None):
+        return len((group or self.WORLD).ranks)
+
+    def get_global_rank(self, group, p):
+        return group.ranks[p]
+
+    def get_backend(self, group=None):
+        return self.backend
+
+    def new_group(self, ranks, **_kw):
+        return FakeGroup(tuple(ranks), self.rank)
+
+    # -- transfers (what comm.py calls)
+    def batch_isend_irecv(self, ops):
+        sends = [o.tensor for o in ops if o.op is isend]
+        recvs = [o.tensor for o in ops if o.op is irecv]
+        for s, r in zip(sends, recvs, strict=True):      # comm.Ring: the receive is empty_like(the send)
+            self._fill(r, s)
+        return [_Done()]
+
+    def all_to_all_single(self, out, inp, out_split_sizes=None, in_split_sizes=None, group=None, async_op=False):
+        self._fill(out, inp.view(out.shape))
+        return _Done() if async_op else None
+
+    def all_gather(self, out, inp, group=None, async_op=False):
+        g = out.numel() // inp.numel()
+        self._fill(out, inp.reshape(1, -1).expand(g, -1).reshape(out.shape))
+        return _Done() if async_op else None
+
+    def __getattr__(self, name):                     # constants and types (ReduceOp, ...) are the real ones
+        return getattr(_dist, name)
+
+
+class _RecordedWork:
+    def __init__(self, works, recvs, slot, store):
+        self.works, self.recvs, self.slot, self.store = works, recvs, slot, store
+
+    def wait(self):
+        for w in self.works:
+            w.wait()
+        if self.recvs is not None:                   # the receives are complete now, and not yet touched
+            self.store[self.slot:self.slot + len(self.recvs)] = [r.clone() for r in self.recvs]
+            self.recvs = None
+        return True
+
+
+class Recorder:
+    """The real torch.distributed, keeping a copy of every receive in `source`, in the order ReplayDist
+    consumes them (a ring batch's receives at its post, filled in when it is waited for)."""
+
+    def __init__(self):
+        self.source = []
+
+    def batch_isend_irecv(self, ops):
+        recvs = [o.tensor for o in ops if o.op is _dist.irecv]
+        slot = len(self.source)
+        self.source.extend([None] * len(recvs))
+        return [_RecordedWork(_dist.batch_isend_irecv(ops), recvs, slot, self.source)]
+
+    def all_to_all_single(self, out, inp, *a, **k):
+        r = _dist.all_to_all_single(out, inp, *a, **k)
+        self.source.append(out.clone())
+        return r
+
+    def all_gather(self, out, inp, *a, **k):
+        r = _ALL_GATHER_REAL(out, inp, *a, **k)
+        self.source.append(out.clone())
+        return r
+
+    def __getattr__(self, name):
+        return getattr(_dist, name)
+
+
+_ALL_GATHER_REAL = comm._ALL_GATHER

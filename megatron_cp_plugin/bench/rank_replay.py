@@ -1,0 +1,382 @@
+"""One rank's local work of every algorithm, replayed on one device in one process (issue 26).
+
+    megatron-cp-bench rank --cp 4 16 64 --seq-len 131072 1048576 --heads 32 --kv-heads 32 8 --out results/rank
+
+Each algorithm runs through its public function and its real autograd backward (algos/ring.py, burst.py,
+attention2d.py, attention2d_o.py) with torch.distributed swapped, under comm.py, for a ReplayDist
+(bench/_replay_comm.py): every receive is one on-device copy of the bytes that rank would receive, prepared by a
+first call. So the kernels, merges, casts, accumulator adds and comm.py's own packing measured are exactly
+those of that rank in a P-rank run; only the wire is gone. tests/test_rank_replay.py checks that a replay fed
+with a real gloo run's receives gives that run's outputs and gradients bit for bit.
+
+Problems: causal, b = 1, bf16 (--dtype), every --seq-len with every --cp whose local length is at most
+--max-local (default: 128k at P = 4, 16, 64 and 1M at P = 16, 64). The slowest rank: every rank index is run once
+at the first length of each (algo, grid, P, heads) and the slowest is timed (--rank N fixes it). Per row:
+  fwd_ms, bwd_ms     that rank's forward and backward (CUDA events; median of up to --iters, as many as fit in
+                     --budget-s after one warm-up call)
+  x_ideal            fwd_bwd_ms over the ideal: one-device causal attention fwd+bwd over the whole sequence,
+                     timed in this run, / P; above --ideal-max-seq, the FLOPs / P at the rate of the longest
+                     whole sequence timed (ideal_from says which)
+  ops                aten operations that compute (views and allocations not counted; each attention kernel
+                     call counts once, its insides not), per fwd+bwd: the launches of the local work on any device
+  attn_calls         attention kernel calls per fwd+bwd
+  kernels, memcpy    CUDA only: device kernels and memcpy/memset per fwd+bwd (torch.profiler); memcpy includes
+                     the replayed receives
+  copy_MB            bytes the replayed receives copy per fwd+bwd (what the wire would have written)
+  x_model            x_ideal over the cost model's own x_ideal for that rank (its compute-only prediction over
+                     the ideal at its kernel rates): the factor cost_compute.py applies; --fit-out PATH writes
+                     their means per (algo, grid, P) as the cost model's fit (megatron_cp_plugin/configs/
+                     rank_compute.json)
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import statistics
+import time
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .. import comm, cost_compute
+from ..cost_model import HARDWARE, Problem, predict
+from ..algos.attention2d import attention2d_no
+from ..algos.attention2d_o import attention2d_o
+from ..algos.burst import burst_attention
+from ..algos.ring import ring_attention, ring_te_attention
+from ..kernels import local_attn
+from ._common import FLOP_FORMULA, attention_flop, write_report
+from ._replay_comm import ReplayDist, patched
+
+ALGOS = {"ring": ring_attention, "ring-te": ring_te_attention, "burst": burst_attention,
+         "attention2d-no": attention2d_no, "attention2d-o": attention2d_o}
+GRID_ALGOS = ("attention2d-no", "attention2d-o")
+
+
+def grids(P: int, which) -> list[tuple[int, int]]:
+    """Attention2D grids for P ranks: 'square' (r x r, r = sqrt P; else choose_grid's MHA pick) and 'rect' (2r x
+    r/2: more rows, what GQA favours; 4 x 1 at P = 4), or explicit 'RxC' strings."""
+    out = []
+    r = int(round(P ** 0.5))
+    for w in which:
+        if w == "square":
+            g = (r, r) if r * r == P else comm.choose_grid(P)
+        elif w == "rect":
+            g = (2 * r, P // (2 * r)) if r * r == P and r % 2 == 0 else (P, 1)
+        else:
+            g = tuple(int(x) for x in w.lower().split("x"))
+        if g[0] * g[1] == P and g not in out:
+            out.append(g)
+    return out
+
+
+class RankReplay:
+    """Rank `rank` of `algo` over P ranks (grid (R, C) for Attention2D) on local shards q, k, v, do.
+    `source`: the receives to replay (None: prepared by the first call, echoing this rank's own sends)."""
+
+    def __init__(self, algo, P, rank, q, k, v, do, *, grid=None, backend=None, source=None):
+        if algo not in ALGOS:
+            raise ValueError(f"algo must be one of {tuple(ALGOS)}, got {algo!r}")
+        self.algo, self.fn, self.backend = algo, ALGOS[algo], backend
+        self.q, self.k, self.v = (t.detach().requires_grad_() for t in (q, k, v))
+        self.do, self.scale = do, q.shape[-1] ** -0.5
+        self.d = ReplayDist(P, rank, source, backend="nccl" if q.is_cuda else "gloo")
+        with patched(self.d):
+            self.group = comm.CPGrid(self.d.WORLD, *grid) if algo in GRID_ALGOS else self.d.WORLD
+
+    def __call__(self, backward=True, mark=None):
+        """One forward (and backward): (o, dq, dk, dv) or (o,). `mark()` runs between the two."""
+        self.d.rewind()
+        with patched(self.d):
+            o = self.fn(self.q, self.k, self.v, group=self.group, causal=True, softmax_scale=self.scale,
+                        backend=self.backend, comm_stats=None, packing=None)
+            if mark is not None:
+                mark()
+            if not backward:
+                return (o.detach(),)
+            return (o.detach(),) + torch.autograd.grad(o, (self.q, self.k, self.v), self.do)
+
+
+# ----------------------------------------------------------------------------------------------- counting
+_FREE = {"empty", "empty_like", "empty_strided", "_unsafe_view", "detach", "lift_fresh", "alias", "clone_meta"}
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops that compute (not views, not allocations); attention kernels (local_attn's backend
+    tables) count once each with their insides not counted, so a CPU count stands for a GPU's launches."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = self.attn = 0
+        self.paused = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.paused and not func.is_view and func.overloadpacket.__name__ not in _FREE:
+            self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+    @contextlib.contextmanager
+    def counting(self, replay: RankReplay):
+        tables = [local_attn._FWD, local_attn._BWD, local_attn._VARLEN_FWD, local_attn._VARLEN_BWD]
+        saved = [dict(t) for t in tables]
+
+        def wrap(f):
+            def call(*a, **k):
+                self.attn += 1
+                self.ops += 1
+                self.paused += 1
+                try:
+                    return f(*a, **k)
+                finally:
+                    self.paused -= 1
+            return call
+
+        fill = replay.d._fill
+
+        def quiet_fill(*a):                          # the replayed receives stand for the wire: not counted
+            self.paused += 1
+            try:
+                fill(*a)
+            finally:
+                self.paused -= 1
+
+        for t in tables:
+            t.update({n: wrap(f) for n, f in t.items()})
+        replay.d._fill = quiet_fill
+        try:
+            with self:
+                yield self
+        finally:
+            for t, s in zip(tables, saved):
+                t.update(s)
+            del replay.d._fill
+
+
+def count_launches(replay: RankReplay) -> dict:
+    """ops, attn_calls (and on CUDA kernels, memcpy from torch.profiler) of one fwd+bwd."""
+    with OpCounter().counting(replay) as c:
+        replay()
+    out = {"ops": c.ops, "attn_calls": c.attn}
+    if replay.q.is_cuda:
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            replay()
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        copies = sum(n.startswith(("Memcpy", "Memset")) for n in names)
+        out.update(kernels=len(names) - copies, memcpy=copies)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- timing
+def _sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def timed(replay: RankReplay) -> tuple[float, float]:
+    """(fwd ms, bwd ms) of one call: CUDA events around each half (perf_counter on CPU)."""
+    dev = replay.q.device
+    if dev.type == "cuda":
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+        ev[0].record()
+        replay(mark=ev[1].record)
+        ev[2].record()
+        ev[2].synchronize()
+        return ev[0].elapsed_time(ev[1]), ev[1].elapsed_time(ev[2])
+    t = [time.perf_counter()]
+    replay(mark=lambda: t.append(time.perf_counter()))
+    t.append(time.perf_counter())
+    return (t[1] - t[0]) * 1e3, (t[2] - t[1]) * 1e3
+
+
+def measure(replay: RankReplay, iters: int, budget_s: float, first_ms: float) -> tuple[float, float, int]:
+    """Median (fwd ms, bwd ms) over n calls; n = what fits in budget_s at first_ms per call (the preparing
+    call's time, which warmed the kernels' plans and the allocator), 1 to iters."""
+    n = max(1, min(iters, int(budget_s * 1e3 / max(first_ms, 1e-3))))
+    runs = [timed(replay) for _ in range(n)]
+    return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs), n
+
+
+def single_device_ms(S, h, hk, d, dev, dtype, iters, budget_s) -> float:
+    """One device's causal attention fwd+bwd over S tokens (the default kernel), ms."""
+    g = torch.Generator(device=dev).manual_seed(S)
+    q, k, v, do = (torch.randn(1, S, n, d, device=dev, dtype=dtype, generator=g) for n in (h, hk, hk, h))
+
+    def call():
+        o, lse = local_attn.block_fwd(q, k, v, mask="causal")
+        local_attn.block_bwd(do, q, k, v, o, lse, mask="causal")
+
+    ts = []
+    for i in range(1 + max(1, iters)):
+        _sync(dev)
+        t0 = time.perf_counter()
+        call()
+        _sync(dev)
+        ts.append((time.perf_counter() - t0) * 1e3)
+        if i >= 1 and sum(ts[1:]) > budget_s * 1e3:
+            break
+    return statistics.median(ts[1:])
+
+
+# ----------------------------------------------------------------------------------------------- fit
+def model_x_ideal(algo, S, P, h, hk, d, grid, elem) -> float:
+    """The cost model's compute-only time of one rank (no factor, free links) over its ideal, (F + B) / P at
+    its kernel rates: what the model assumes a rank's local work costs beyond the kernels."""
+    hw = dataclasses.replace(HARDWARE["h200-nvlink"], intra_bw=1e30, inter_bw=1e30, intra_lat=0.0, inter_lat=0.0)
+    pb = Problem(S, P, h, hk, d, 1, elem, True, grid=grid, node_aware=False)
+    with cost_compute.disabled():
+        pred = predict(algo, pb, hw)
+    return pred.total_s / (pred.fwd_flops / hw.fwd_tflops + pred.bwd_flops / hw.bwd_tflops)
+
+
+def fit(rows, command: str, device: str) -> dict:
+    """The cost model's fit file: mean x_model per "<algo> RxC" (and "<algo>" from square grids) and P."""
+    acc: dict = {}
+    for r in rows:
+        if "x_model" not in r:
+            continue
+        keys = [r["algo"]] if r["grid"] == "-" else [f"{r['algo']} {r['grid']}"]
+        R, C = (int(x) for x in r["grid"].split("x")) if r["grid"] != "-" else (0, 0)
+        if R and R == C:
+            keys.append(r["algo"])
+        for key in keys:
+            acc.setdefault(key, {}).setdefault(str(r["P"]), []).append(r["x_model"])
+    factors = {k: {P: statistics.fmean(xs) for P, xs in per.items()} for k, per in acc.items()}
+    return {"about": "Per-algorithm compute factors of the cost model (megatron_cp_plugin/cost_compute.py): a "
+                     "rank's measured fwd+bwd local work over the ideal, divided by the model's own ratio; mean "
+                     "over the problems (lengths, MHA / GQA) of each algorithm, grid and P.",
+            "source": f"{command} on {device}", "factors": factors}
+
+
+# ----------------------------------------------------------------------------------------------- driver
+def _shards(S, P, h, hk, d, dev, dtype):
+    """Random local shards (b = 1): the replay's timing does not depend on which tokens they are."""
+    g = torch.Generator(device=dev).manual_seed(S * 7 + h + hk)
+    return [torch.randn(1, S // P, n, d, device=dev, dtype=dtype, generator=g) for n in (h, hk, hk, h)]
+
+
+def _configs(algos, P, grid_names):
+    for algo in algos:
+        for g in (grids(P, grid_names) if algo in GRID_ALGOS else [None]):
+            yield algo, g
+
+
+def slowest_rank(algo, P, grid, shards) -> int:
+    """The rank index whose one fwd+bwd (after a preparing call) takes longest."""
+    times = []
+    for r in range(P):
+        rep = RankReplay(algo, P, r, *shards, grid=grid)
+        rep()
+        times.append(sum(timed(rep)))
+    return max(range(P), key=times.__getitem__)
+
+
+def _check_args(p, a):
+    for name in ("seq_len", "cp", "heads", "kv_heads"):
+        for x in getattr(a, name):
+            if x < 1:
+                p.error(f"--{name.replace('_', '-')} must be positive, got {x}")
+    for hk in a.kv_heads:
+        if max(a.heads) % hk:
+            p.error(f"--kv-heads {hk} must divide --heads {a.heads[0]}")
+    if a.rank is not None and not all(0 <= a.rank < P for P in a.cp):
+        p.error(f"--rank must be in [0, P) for every --cp, got {a.rank}")
+    bad = [x for x in a.algos if x not in ALGOS]
+    if bad:
+        p.error(f"--algos: unknown {bad}; expected among {tuple(ALGOS)}")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="megatron-cp-bench rank", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seq-len", type=int, nargs="+", default=[131072, 1048576], help="total tokens N")
+    p.add_argument("--cp", type=int, nargs="+", default=[4, 16, 64], help="P, the replayed group sizes")
+    p.add_argument("--max-local", type=int, default=65536, help="skip N / P above this (1M runs at P >= 16)")
+    p.add_argument("--heads", type=int, nargs=1, default=[32])
+    p.add_argument("--kv-heads", type=int, nargs="+", default=[32, 8], help="one problem each (MHA, GQA)")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--algos", nargs="+", default=list(ALGOS))
+    p.add_argument("--grids", nargs="+", default=["square", "rect"], help="Attention2D: square, rect or RxC")
+    p.add_argument("--rank", type=int, default=None, help="replay this rank (default: the slowest, found by "
+                   "running every rank once at the first length)")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--budget-s", type=float, default=3.0, help="seconds of timed calls per row (at least one)")
+    p.add_argument("--ideal-max-seq", type=int, default=262144,
+                   help="longest whole sequence timed on one device for the ideal; longer ones use its rate")
+    p.add_argument("--deadline-s", type=float, default=None, help="start no new row after this many seconds "
+                   "(the rows left are reported as not run)")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="of q, k, v (bf16 also on CPU, so that "
+                   "its casts are counted as on a GPU)")
+    p.add_argument("--out", default="results/rank_replay", help="writes OUT.json and OUT.md")
+    p.add_argument("--fit-out", default=None, metavar="PATH", help="also write the cost model's compute factors "
+                   "(megatron_cp_plugin/configs/rank_compute.json is the one it reads)")
+    a = p.parse_args(argv)
+    _check_args(p, a)
+    dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
+    h, d = a.heads[0], a.head_dim
+    rows, picked, single = [], {}, {}
+    start = time.perf_counter()
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
+    header = (f"rank_replay: one rank's local work per algorithm, replayed on one {name} (communication replaced by "
+              f"on-device copies); b=1 d={d} causal {dtype}. {FLOP_FORMULA}. ideal = one-device fwd+bwd / P. "
+              f"ops: aten ops that compute per fwd+bwd (each attention call counts once).")
+    for hk in a.kv_heads:
+        for S in sorted(a.seq_len):
+            runs = [P for P in a.cp if S % (2 * P) == 0 and S // P <= a.max_local]
+            if not runs:
+                continue
+            S1 = S
+            while S1 > a.ideal_max_seq and S1 % 2 == 0:
+                S1 //= 2
+            if (S1, hk) not in single:
+                single[S1, hk] = single_device_ms(S1, h, hk, d, dev, dtype, a.iters, a.budget_s)
+            rate = attention_flop(1, S1, h, d, True, True) / single[S1, hk]         # FLOP per ms
+            ideal_from = "measured" if S1 == S else f"rate at S={S1}"
+            for P in runs:
+                ideal = attention_flop(1, S, h, d, True, True) / rate / P
+                shards = _shards(S, P, h, hk, d, dev, dtype)
+                for algo, grid in _configs(a.algos, P, a.grids):
+                    key = (algo, grid, P, hk)
+                    if a.deadline_s is not None and time.perf_counter() - start > a.deadline_s:
+                        rows.append({"S": S, "h/h_kv": f"{h}/{hk}", "P": P, "algo": algo, "note": "not run: --deadline-s"})
+                        continue
+                    row = {"S": S, "h/h_kv": f"{h}/{hk}", "P": P, "algo": algo,
+                           "grid": f"{grid[0]}x{grid[1]}" if grid else "-"}
+                    rep = None
+                    try:
+                        if key not in picked:
+                            picked[key] = [a.rank if a.rank is not None else slowest_rank(algo, P, grid, shards),
+                                           None]
+                        rep = RankReplay(algo, P, picked[key][0], *shards, grid=grid)
+                        t0 = time.perf_counter()
+                        rep()                                             # prepares the receives
+                        _sync(dev)
+                        first_ms = (time.perf_counter() - t0) * 1e3
+                        if picked[key][1] is None:                        # the same code path at every length
+                            picked[key][1] = count_launches(rep)
+                        f, b, n = measure(rep, a.iters, a.budget_s, first_ms)      # copies: of its last call
+                        x_model = (f + b) / ideal / model_x_ideal(algo, S, P, h, hk, d, grid, dtype.itemsize)
+                        row.update({"rank": picked[key][0], "fwd_ms": f, "bwd_ms": b, "fwd_bwd_ms": f + b,
+                                    "ideal_ms": ideal, "x_ideal": (f + b) / ideal, "x_model": x_model,
+                                    "ideal_from": ideal_from,
+                                    **picked[key][1], "copies": rep.d.copies,
+                                    "copy_MB": rep.d.copied_bytes / 2**20, "iters": n})
+                    except torch.OutOfMemoryError:
+                        row["note"] = "out of memory"
+                    rows.append(row)
+                    del rep
+                    if dev.type == "cuda":
+                        torch.cuda.empty_cache()
+                    print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+                          flush=True)
+                    write_report(rows, a.out, header)              # what ran so far survives a killed run
+    print(write_report(rows, a.out, header))
+    if a.fit_out:
+        import sys
+        with open(a.fit_out, "w") as fh:
+            json.dump(fit(rows, " ".join(sys.argv), name), fh, indent=1)
+    return 0

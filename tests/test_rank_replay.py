@@ -1,0 +1,82 @@
+"""`megatron-cp-bench rank` (bench/rank_replay.py): one rank's local work replayed in one process is that rank's
+real work. On a gloo group of 4, every rank runs every algorithm (ring, ring-te, burst, attention2d-no / -o on
+the square 2 x 2 and the rectangular 4 x 1 and 1 x 4 grids) with its receives recorded; replaying its receives in
+the same process, without torch.distributed, must give the same output and gradients bit for bit. The
+subcommand runs on CPU at a tiny size and reports launches for every algorithm."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import megatron_cp_plugin as mcp
+from megatron_cp_plugin.bench._replay_comm import Recorder, patched
+from megatron_cp_plugin.comm import get_grid
+from megatron_cp_plugin.bench.cli import main as bench_main
+from megatron_cp_plugin.bench.rank_replay import ALGOS, GRID_ALGOS, RankReplay
+
+CONFIGS = [(a, None) for a in ALGOS if a not in GRID_ALGOS] + [
+    (a, g) for a in GRID_ALGOS for g in ((2, 2), (4, 1), (1, 4))]
+
+
+def _record_then_replay(rank, world, dtype):
+    """For every config: the real distributed fwd+bwd with its receives recorded, then the replay of this rank
+    fed with them; returns the configs whose replay differs, and how."""
+    g = torch.Generator().manual_seed(5)
+    seq, h, hk, d = 2 * world * 6, 4, 2, 16
+    full = [torch.randn(1, seq, n, d, generator=g, dtype=dtype) for n in (h, hk, hk, h)]
+    bad = []
+    for algo, grid in CONFIGS:
+        q, k, v, do = (mcp.shard_sequence(t, algo=algo).contiguous() for t in full)
+        group = get_grid(dist.group.WORLD, grid) if grid else dist.group.WORLD     # built once per pool
+        rec = Recorder()
+        ql, kl, vl = (t.clone().requires_grad_() for t in (q, k, v))
+        with patched(rec):
+            o = ALGOS[algo](ql, kl, vl, group=group, causal=True, softmax_scale=d ** -0.5, backend=None,
+                            comm_stats=None, packing=None)
+            real = (o.detach(),) + torch.autograd.grad(o, (ql, kl, vl), do)
+        assert all(t is not None for t in rec.source)
+        rep = RankReplay(algo, world, rank, q, k, v, do, grid=grid, source=rec.source)
+        got = rep()
+        for name, x, y in zip(("o", "dq", "dk", "dv"), got, real):
+            if not torch.equal(x, y):
+                bad.append(f"{algo} {grid} rank {rank} {dtype}: {name} differs by {(x - y).abs().max().item():.3g}")
+        if rep.d.cursor != len(rec.source):
+            bad.append(f"{algo} {grid} rank {rank}: replay used {rep.d.cursor} of {len(rec.source)} receives")
+    return bad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_replay_is_the_ranks_real_work(pools, dtype):
+    bad = sum(pools(4).run(_record_then_replay, dtype), [])
+    assert not bad, "\n".join(bad)
+
+
+def test_rank_subcommand_reports_every_algorithm(tmp_path, capsys):
+    stem = tmp_path / "rank"
+    assert bench_main(["rank", "--seq-len", "64", "--cp", "4", "--heads", "4", "--kv-heads", "4", "2",
+                       "--head-dim", "16", "--iters", "1", "--budget-s", "0", "--out", str(stem)]) == 0
+    assert "| x_ideal |" in capsys.readouterr().out
+    res = json.loads((tmp_path / "rank.json").read_text())
+    rows = res["rows"]
+    seen = {(r["algo"], r["grid"], r["h/h_kv"]) for r in rows}
+    for hk in ("4/4", "4/2"):
+        for algo in ("ring", "ring-te", "burst"):
+            assert (algo, "-", hk) in seen
+        for algo in GRID_ALGOS:
+            assert {(algo, "2x2", hk), (algo, "4x1", hk)} <= seen
+    for r in rows:
+        assert r["fwd_ms"] > 0 and r["bwd_ms"] > 0 and r["x_ideal"] > 0 and 0 <= r["rank"] < 4
+        # the launches of the local work: every (Q, K) block pair of the rank is one attention call, fwd and bwd
+        assert r["ops"] > r["attn_calls"] == 8
+        assert r["copies"] > 0 and r["copy_MB"] > 0
+    assert "rank" in res["command"] and (tmp_path / "rank.md").read_text().count("\n| ") == len(rows) + 1
+
+
+def test_rank_subcommand_rejects_bad_arguments():
+    with pytest.raises(SystemExit):
+        bench_main(["rank", "--kv-heads", "3"])
+    with pytest.raises(ValueError, match="algo must be one of"):
+        RankReplay("nope", 4, 0, *(torch.zeros(1, 2, 1, 8),) * 4)
