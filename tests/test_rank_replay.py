@@ -6,6 +6,7 @@ subcommand runs on CPU at a tiny size and reports launches for every algorithm."
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -54,8 +55,9 @@ def test_replay_is_the_ranks_real_work(pools, dtype):
     assert not bad, "\n".join(bad)
 
 
-def test_rank_subcommand_reports_every_algorithm(tmp_path, capsys):
+def test_rank_subcommand_reports_every_algorithm(tmp_path, capsys, monkeypatch):
     stem = tmp_path / "rank"
+    monkeypatch.setattr(sys, "argv", ["megatron-cp-bench", "rank"])     # what the report records as its command
     assert bench_main(["rank", "--seq-len", "64", "--cp", "4", "--heads", "4", "--kv-heads", "4", "2",
                        "--head-dim", "16", "--iters", "1", "--budget-s", "0", "--out", str(stem)]) == 0
     assert "| x_ideal |" in capsys.readouterr().out

@@ -180,11 +180,15 @@ class Recorder:
 
     def all_to_all_single(self, out, inp, *a, **k):
         r = _dist.all_to_all_single(out, inp, *a, **k)
+        if r is not None:                 # asynchronous (comm.run_collective): complete before the copy
+            r.wait()
         self.source.append(out.clone())
         return r
 
     def all_gather(self, out, inp, *a, **k):
         r = _ALL_GATHER_REAL(out, inp, *a, **k)
+        if r is not None:
+            r.wait()
         self.source.append(out.clone())
         return r
 
