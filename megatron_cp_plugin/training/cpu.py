@@ -105,13 +105,8 @@ class _Event(_Stream):
 def finish_coalesced_collectives() -> None:
     """Megatron's coalesced collectives (DDP buckets, Megatron-FSDP's prefetch) complete before they return
     (see the module docstring; ranks sharing a GPU need more: training/shared_gpu.py)."""
-    import importlib
-    for name in ("megatron.core.distributed.param_and_grad_buffer",
-                 "megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer"):
-        try:
-            module = importlib.import_module(name)
-        except ImportError:                       # a megatron-core without this module
-            continue
+    from .shared_gpu import buffer_modules
+    for module in buffer_modules():
         if hasattr(module, "_coalescing_manager"):
             module._coalescing_manager = _coalesced_in_order
 

@@ -61,6 +61,16 @@ def one_by_one(group=None, device=None, async_ops=False):
         handle.wait()
 
 
+def buffer_modules():
+    """Megatron's modules that issue the coalesced collectives (DDP / distributed optimizer, Megatron-FSDP), those
+    this megatron-core has."""
+    for name in _MODULES:
+        try:
+            yield importlib.import_module(name)
+        except ImportError:                       # a megatron-core without this module
+            continue
+
+
 def install() -> None:
     """Record the collectives and swap the manager in Megatron's buffer modules (idempotent)."""
     global _installed
@@ -70,11 +80,7 @@ def install() -> None:
         fn = getattr(dist, name, None)
         if fn is not None and not getattr(fn, "_recording", False):
             setattr(dist, name, _recording(fn))
-    for name in _MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ImportError:                       # a megatron-core without this module
-            continue
+    for module in buffer_modules():
         if hasattr(module, "_coalescing_manager"):
             module._coalescing_manager = one_by_one
         for alias in ("dist_all_gather_func", "dist_reduce_scatter_func"):   # bound at import: wrap them too
