@@ -349,6 +349,25 @@ def test_attention2d_byte_counters_equal_formula(pools, world, algo):
         assert pools(world).run(_bytes, algo, dtype, h, hk) == want, (dtype, h, hk, rows, cols)
 
 
+@pytest.mark.parametrize("algo,world", [(a, w) for a in ("allgather", "ulysses", "ulysses-ring") for w in (1, 3, 4)]
+                         + [("ulysses-ring", 6)])
+def test_collective_byte_counters_equal_cost_model(pools, world, algo):
+    """The counters equal cost_collective's formulas (cost_model.comm_bytes), MHA and GQA, fp32 and bf16;
+    ulysses-ring at P = 6 runs its default 3 x 2 grid (ring across three all-to-alls of two)."""
+    from megatron_cp_plugin.cost_model import Problem, comm_bytes
+
+    for dtype, (h, hk) in itertools.product((torch.float32, torch.bfloat16), HEADS):
+        h, hk = _heads(algo, world, h, hk)
+        e, s_l, d = torch.tensor([], dtype=dtype).element_size(), 2 * 3, 8
+        want = comm_bytes(algo, Problem(world * s_l, world, h, hk, head_dim=d, batch=BATCH, dtype_bytes=e))
+        if algo == "ulysses" and world == 4 and hk == 2:          # by hand: K, V heads replicated, one per rank
+            assert want == (3 * BATCH * s_l * d * e * (2 * h // 4 + 2),) * 2
+        if algo == "allgather":
+            n_kv = BATCH * s_l * hk * d
+            assert want == ((world - 1) * 2 * n_kv * e, (world - 1) * 4 * n_kv * e)
+        assert pools(world).run(_bytes, algo, dtype, h, hk) == [want] * world, (dtype, h, hk)
+
+
 def test_attention2d_bytes_fall_from_4_to_9_ranks(pools):
     """Fixed N: per-rank traffic shrinks like 1/sqrt(P) (2 x 2 -> 3 x 3 grid), ring's stays flat."""
     n = 72
