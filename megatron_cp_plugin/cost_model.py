@@ -327,7 +327,9 @@ def choose_algo(problem: Problem, hardware: Hardware, candidates=None) -> tuple[
     for a in cands:
         if problem.feasible(a):
             pb = dataclasses.replace(problem, grid=best_grid(a, problem, hardware)) if registry.get(a).grid else problem
-            times[a] = _seconds(a, pb, hardware)
+            t = _seconds(a, pb, hardware)
+            if t < float("inf"):                # inf: the heads cannot be split (ulysses; cost_collective.py)
+                times[a] = t
     if not times:
         raise ValueError(f"seq_len {problem.seq_len} cannot be sharded over {problem.world} ranks by any of {cands}")
     best = min(times, key=lambda a: (times[a], cands.index(a)))

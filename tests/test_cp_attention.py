@@ -3,6 +3,7 @@ sequences (cu_seqlens) against the fp64 varlen reference."""
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -18,6 +19,18 @@ GRID_WORLD_SIZES = (1, 2, 3, 4, 6, 8, 9)       # Attention2D: square and rectang
 HEADS = ((4, 4), (8, 2))          # MHA and GQA with h / h_kv = 4
 HEAD_DIMS = (16, 24)
 BATCH = 2
+HEAD_A2A = ("ulysses", "ulysses-ring")           # split heads in an all-to-all: the heads must allow it
+
+
+def _heads(algo, world, h, hk, grid=None):
+    """(h, hk) scaled up where an all-to-all over heads cannot split them (ulysses over P ranks, ulysses-ring
+    over its grid's columns), keeping h / h_kv: P = 3 runs (12, 12) and (24, 6); (8, 2) at P = 4 and 8 stays,
+    so K, V heads are replicated. ulysses-ring on its default grid picks a U the heads allow."""
+    u = world if algo == "ulysses" else grid[1] if algo == "ulysses-ring" and grid else 1
+    if h % u == 0 and (hk % u == 0 or u % hk == 0):
+        return h, hk
+    m = u // math.gcd(h, u)
+    return h * m, hk * m
 
 
 def _inputs(seed, seq, h, hk, d, dtype, large=False):
@@ -43,6 +56,7 @@ def _rel_l2(x, ref):
 
 def _case(rank, world, algo, dtype, causal, h, hk, d, seed, group=None):
     seq = 2 * world * 5                               # odd chunks of 5 tokens
+    h, hk = _heads(algo, world, h, hk, (group.rows, group.cols) if group is not None else None)
     q, k, v, do = _inputs(seed, seq, h, hk, d, dtype)
     mask = "causal" if causal else "none"
     # fp64 reference of the unsharded problem.
@@ -84,8 +98,8 @@ def _cases(rank, world, algo, dtype, grid=None):
     return True
 
 
-CASES = [(w, a) for a in ("ring", "burst") for w in WORLD_SIZES] + [(w, "ring-te") for w in (2, 4)] + [
-    (w, a) for a in mcp.ALGORITHMS if a.startswith("attention2d") for w in GRID_WORLD_SIZES]
+CASES = [(w, a) for a in ("ring", "burst", "allgather") for w in WORLD_SIZES] + [(w, "ring-te") for w in (2, 4)] + [
+    (w, a) for a in mcp.ALGORITHMS if a.startswith("attention2d") or a in HEAD_A2A for w in GRID_WORLD_SIZES]
 
 
 # fp32 at every P; bf16 up to P = 6: bf16 changes the payloads' dtype, not the communication pattern, and the
@@ -108,6 +122,7 @@ def _large_cases(rank, world, algo, dtype):
     bad = []
     for i, (causal, (h, hk)) in enumerate(itertools.product((True, False), ((2, 2), (4, 2)))):
         mask = "causal" if causal else "none"
+        h, hk = _heads(algo, world, h, hk)
         q, k, v, do = _inputs(77 + i, 2 * world * 16, h, hk, 128, dtype, large=True)
         qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
         ref = torch.autograd.grad(attention_reference(qr, kr, vr, mask=mask)[0], (qr, kr, vr), do.double())
@@ -144,6 +159,15 @@ def test_attention2d_explicit_grids(pools, world, grid, algo):
     assert all(pools(world).run(_cases, algo, torch.float32, grid, timeout=120))
 
 
+@pytest.mark.parametrize("world,grid", [(4, (2, 2, None)), (4, (4, 1, None)), (6, (2, 3, 2)), (6, (3, 2, 2)),
+                                        (8, (2, 4, None))])
+def test_ulysses_ring_explicit_grids(pools, world, grid):
+    """R x U grids with a ring across groups (the default grids at P <= 8 are all-to-all only), dense and packed,
+    in fp32; (6, (2, 3, 2)) hands a column-major grid, which the algorithm replaces by the row-major one."""
+    assert all(pools(world).run(_cases, "ulysses-ring", torch.float32, grid, timeout=120))
+    assert all(pools(world).run(_packed_cases, "ulysses-ring", torch.float32, grid, timeout=120))
+
+
 def _no_vs_o(rank, world):
     q, k, v, do = _inputs(5, 2 * world * 4, 8, 2, 16, torch.float32)
     res = []
@@ -174,6 +198,7 @@ def _packed_inputs(world, algo, h, hk, d, dtype, seed):
 def _packed_case(rank, world, algo, dtype, causal, h, hk, seed, group=None):
     """One packed problem against the fp64 varlen reference of the whole sequence: o and the three gradients
     on this rank's shard, fp32 to 1e-5, bf16 within 2x the single-device varlen kernel's error."""
+    h, hk = _heads(algo, world, h, hk, (group.rows, group.cols) if group is not None else None)
     cu, q, k, v, do = _packed_inputs(world, algo, h, hk, 16, dtype, seed)
     mask = "causal" if causal else "none"
     qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
@@ -324,6 +349,25 @@ def test_attention2d_byte_counters_equal_formula(pools, world, algo):
         assert pools(world).run(_bytes, algo, dtype, h, hk) == want, (dtype, h, hk, rows, cols)
 
 
+@pytest.mark.parametrize("algo,world", [(a, w) for a in ("allgather", "ulysses", "ulysses-ring") for w in (1, 3, 4)]
+                         + [("ulysses-ring", 6)])
+def test_collective_byte_counters_equal_cost_model(pools, world, algo):
+    """The counters equal cost_collective's formulas (cost_model.comm_bytes), MHA and GQA, fp32 and bf16;
+    ulysses-ring at P = 6 runs its default 3 x 2 grid (ring across three all-to-alls of two)."""
+    from megatron_cp_plugin.cost_model import Problem, comm_bytes
+
+    for dtype, (h, hk) in itertools.product((torch.float32, torch.bfloat16), HEADS):
+        h, hk = _heads(algo, world, h, hk)
+        e, s_l, d = torch.tensor([], dtype=dtype).element_size(), 2 * 3, 8
+        want = comm_bytes(algo, Problem(world * s_l, world, h, hk, head_dim=d, batch=BATCH, dtype_bytes=e))
+        if algo == "ulysses" and world == 4 and hk == 2:          # by hand: K, V heads replicated, one per rank
+            assert want == (3 * BATCH * s_l * d * e * (2 * h // 4 + 2),) * 2
+        if algo == "allgather":
+            n_kv = BATCH * s_l * hk * d
+            assert want == ((world - 1) * 2 * n_kv * e, (world - 1) * 4 * n_kv * e)
+        assert pools(world).run(_bytes, algo, dtype, h, hk) == [want] * world, (dtype, h, hk)
+
+
 def test_attention2d_bytes_fall_from_4_to_9_ranks(pools):
     """Fixed N: per-rank traffic shrinks like 1/sqrt(P) (2 x 2 -> 3 x 3 grid), ring's stays flat."""
     n = 72
@@ -410,6 +454,11 @@ def _bad(rank, world, case):
     elif case == "cu_batch":
         q, k, v = (torch.cat([t, t]) for t in (q, k, v))
         kw["cu_seqlens"] = torch.tensor([0, 12], dtype=torch.int32)
+    elif case == "a2a_heads":                         # 4 q heads over 3 ranks
+        kw["algo"] = "ulysses"
+    elif case == "a2a_kv_heads":                      # 6 q heads split, 2 k, v heads neither split nor replicated
+        q = torch.randn(1, 4, 6, 8)
+        kw.update(algo="ulysses-ring", group=mcp.CPGrid(dist.group.WORLD, 1, 3))
     elif case == "cu_shard":
         return mcp.shard_sequence(torch.randn(1, 12, 2), algo="attention2d-o", cu_seqlens=[0, 4, 12])
     mcp.context_parallel_attention(q, k, v, **kw)
@@ -423,6 +472,8 @@ def _bad(rank, world, case):
     ("cu_unit", "cu_seqlens: document 1 (tokens 12..13) has length 2, not a multiple of 6 (2 x 3 ranks"),
     ("cu_total", "cu_seqlens[-1] = 12 must equal the packed sequence length 6"), ("cu_batch", "cu_seqlens: packed"),
     ("cu_shard", "cu_seqlens: document 0 (tokens 0..3) has length 4, not a multiple of 3 (3 ranks"),
+    ("a2a_heads", "heads: algo='ulysses' splits the q heads over its all-to-all of 3 ranks, but 4 q heads"),
+    ("a2a_kv_heads", "heads: algo='ulysses-ring' needs k, v heads (2) divisible by its all-to-all size 3"),
 ])
 def test_bad_input_raises_on_every_rank_without_hanging(pools, case, needle):
     pool = pools(3)

@@ -59,7 +59,7 @@ def _check_inputs(q, k, v, algo, group, softmax_scale, backend, cu_seqlens):
                          f"algo={algo!r}")
     select_backend(q.device, q.dtype, d, backend, packed=packing is not None)
     if row.grid:
-        return grid or get_grid(group, h=h, h_kv=k.shape[2]), packing
+        return grid or get_grid(group, row.grid_shape(world, h, k.shape[2])), packing
     return group, packing
 
 

@@ -58,6 +58,9 @@ class Algorithm:
     """One line for docs and --help."""
     baseline: bool = False
     """A benchmark baseline (bench and the cost model run it), not a --context-parallel-algo choice."""
+    default_grid: str | Callable | None = None
+    """A grid algorithm's grid for a plain group and no --cp-grid: (world, h, h_kv) -> (rows, cols), or its
+    "module:function" path; None: comm.choose_grid's (Attention2D's byte-minimising one)."""
 
     def __post_init__(self):
         if self.layout not in CHUNKS_PER_RANK:
@@ -67,6 +70,13 @@ class Algorithm:
     def divisor(self, world: int) -> int:
         """The multiple the full sequence length must be to shard over `world` ranks in this layout."""
         return CHUNKS_PER_RANK[self.layout] * world
+
+    def grid_shape(self, world: int, h: int = 1, h_kv: int = 1) -> tuple[int, int]:
+        """The (rows, cols) this grid algorithm runs on over `world` ranks when none is given."""
+        if self.default_grid is not None:
+            return _load(self.default_grid)(world, h, h_kv)
+        from ..comm import choose_grid  # noqa: PLC0415 (reading rows imports no torch)
+        return choose_grid(world, h=h, h_kv=h_kv)
 
     @property
     def run(self) -> Callable:
@@ -191,6 +201,15 @@ for _row in (
               "Attention2D (Alg. 1-3): an R x C grid of GPUs, cyclic tokens, NCCL collectives"),
     Algorithm("attention2d-o", "cyclic", "attention2d", True, ".attention2d_o:attention2d_o",
               "..cost_model:attention2d_cost", "the same with overlapped ring communication (Alg. 4-11)"),
+    Algorithm("allgather", "zigzag", "allgather", False, ".allgather:allgather_attention",
+              "..cost_collective:allgather_cost",
+              "K, V all-gathered, dK, dV summed at their owners: TransformerEngine's `cp_comm_type=all_gather`"),
+    Algorithm("ulysses", "zigzag", "ulysses", False, ".ulysses:ulysses_attention", "..cost_collective:ulysses_cost",
+              "DeepSpeed-Ulysses: all-to-all from sequence to head shards, local attention, all-to-all back"),
+    Algorithm("ulysses-ring", "zigzag", "ulysses-ring", True, ".ulysses_ring:ulysses_ring_attention",
+              "..cost_collective:ulysses_ring_cost",
+              "USP / LoongTrain: Ulysses inside R x C grid rows of C ranks, the zigzag ring across the R rows",
+              default_grid=".ulysses_ring:default_grid"),
     Algorithm("ring-te", "zigzag", "ring", False, ".ring:ring_te_attention", "..cost_model:ring_family_cost",
               "the ring with TransformerEngine's p2p byte budget (dK, dV in the input dtype at every hop)",
               baseline=True),

@@ -49,7 +49,12 @@ def _cp(algo, q, k, v, do, causal, group):
         o = mcp.context_parallel_attention(ql, kl, vl, algo=algo, group=group, causal=causal, comm_stats=stats)
         torch.autograd.grad(o, (ql, kl, vl), dol)
 
-    fwd_bwd()
+    try:
+        fwd_bwd()
+    except ValueError as e:             # heads an all-to-all cannot split (ulysses): every rank raises it alike
+        if not str(e).startswith("heads:"):
+            raise
+        raise Unavailable(str(e)) from None
     return fwd, fwd_bwd, stats
 
 

@@ -30,7 +30,9 @@ def add_cp_args(parser: argparse.ArgumentParser, default: str | None = None) -> 
     g = parser.add_argument_group("context-parallel attention (megatron-cp-plugin)")
     g.add_argument("--context-parallel-algo", choices=registry.flag_choices(), default=default,
                    help=_algo_help())
-    g.add_argument("--cp-grid", default=None, metavar="RxC", help="Attention2D grid, rows x cols = CP size")
+    g.add_argument("--cp-grid", default=None, metavar="RxC",
+                   help="grid of the grid algorithms, rows x cols = CP size: Attention2D's; ulysses-ring's R rings "
+                        "across groups of C consecutive ranks that run the all-to-all")
     g.add_argument("--cp-gpus-per-node", type=int, default=None, metavar="N",
                    help="GPUs per node: Attention2D keeps grid rows inside a node")
     # default None (= DEFAULT_HARDWARE) so that the choice line knows whether the user asked for a cluster

@@ -51,8 +51,11 @@ class CPCoreAttention(MegatronModule):
         cp = pg_collection.cp if pg_collection is not None else parallel_state.get_context_parallel_group()
         self.group = cp
         if row.grid:                                             # built now, on every CP rank in step
-            h = config.num_attention_heads
-            self.group = get_grid(cp, grid, h=h, h_kv=config.num_query_groups or h, gpus_per_node=gpus_per_node)
+            tp = getattr(config, "tensor_model_parallel_size", 1) or 1      # the heads this rank holds
+            h = config.num_attention_heads // tp
+            h_kv = max(1, (config.num_query_groups or config.num_attention_heads) // tp)
+            shape = grid or row.grid_shape(torch.distributed.get_world_size(cp), h, h_kv)
+            self.group = get_grid(cp, shape, gpus_per_node=gpus_per_node)
 
     def forward(self, query, key, value, attention_mask, /, *, attn_mask_type: AttnMaskType | None = None,
                 attention_bias=None, packed_seq_params=None):

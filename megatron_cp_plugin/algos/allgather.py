@@ -1,0 +1,89 @@
+"""All-gather KV attention over the zigzag layout: what TransformerEngine's `cp_comm_type=all_gather` and
+PyTorch's native context parallel do.
+
+Forward: K, V of every rank are all-gathered in one collective; each rank then computes its two zigzag query
+chunks against all of them, one `_zigzag.zigzag_blocks` block per K, V owner (the causal structure expressed
+per block: the own block is a triangle, every other half a block, so the work is balanced), merged by online
+softmax into fp32 (o, lse) as ring's forward merges its steps.
+Backward: K, V are gathered again (the forward keeps only the local shard: memory stays O(s_local)); each
+rank recomputes its blocks from the global (o, lse), accumulates dQ locally and a dK, dV partial for every
+owner in fp32; the partials are summed at their owners (`comm.reduce_at_owner`: each partial rounded once to
+the input dtype, one hop, summed in fp32 by the owner, whose own partial is never rounded; docs/design.md,
+wire precision, rule 2), what a reduce-scatter computes. Packed sequences run the varlen calls of
+`_zigzag.zigzag_blocks` with the local rows in `Packing.zigzag_order`, as ring does.
+
+Design notes from TransformerEngine's `AttnFuncWithCPAndKVAllGather` (Llama 3's CP, looked up, not copied): it
+gathers K, V in the forward and again in the backward (as here), and attends each of the two local query chunks
+to the prefix of the gathered sequence it sees with a bottom-right-aligned causal mask; it takes no THD input.
+Here the prefix is cut at shard boundaries instead, so that every kernel call is a whole block ("none") or a
+square "causal" one, which every backend runs, and the same per-block code serves packed documents.
+
+Bytes sent per rank and call (e = element size, n_kv = b * s_local * h_kv * d):
+  forward  (P - 1) * 2 * n_kv * e                 (K, V all-gathered)
+  backward (P - 1) * 2 * n_kv * e                 (K, V all-gathered again)
+         + (P - 1) * 2 * n_kv * e                 (dK, dV partials, input dtype, summed at the owner)
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..comm import CommStats, all_gather, reduce_at_owner
+from ..kernels.local_attn import acc_dtype, block_bwd, block_fwd
+from ..kernels.merge import merge_
+from ._function import CPAttention, in_zigzag_order, saving_inputs
+from ._zigzag import ALL, zigzag_blocks
+
+
+def _forward(group, q, k, v, *, causal, scale, backend, stats=None, packing=None):
+    """q [b, s, h, d], k, v [b, s, h_kv, d] (zigzag shards) -> (o in q.dtype, lse [b, h, s] fp32)."""
+    P, r, s = dist.get_world_size(group), dist.get_rank(group), q.shape[1]
+    kv_all = all_gather(group, torch.stack([k, v]), stats)            # [P, 2, b, s, h_kv, d]
+    o = lse = None
+    for step in range(P):                                             # own block first: it covers every row
+        src = (r - step) % P
+        for qs, ks, mask, seg in zigzag_blocks(r, src, s, causal, packing):
+            o_blk, lse_blk = block_fwd(q[:, qs], kv_all[src, 0][:, ks], kv_all[src, 1][:, ks], mask=mask,
+                                       scale=scale, backend=backend, cu_seqlens_q=seg)
+            if o is None and qs == ALL:
+                o, lse = o_blk.to(acc_dtype(q.dtype)), lse_blk
+                continue
+            if o is None:                                             # packed causal: the own block in pieces
+                o = torch.zeros(q.shape, dtype=acc_dtype(q.dtype), device=q.device)
+                lse = torch.full(lse_blk.shape[:2] + (s,), float("-inf"), dtype=o.dtype, device=q.device)
+            merge_(o[:, qs], lse[:, :, qs], o_blk, lse_blk)
+    return o.to(q.dtype), lse
+
+
+def _backward(group, do, q, k, v, o, lse, *, causal, scale, backend, stats=None, packing=None):
+    """(dq, dk, dv) in the input dtype from the global (o, lse) of this rank's query rows."""
+    P, r, s = dist.get_world_size(group), dist.get_rank(group), q.shape[1]
+    acc = acc_dtype(q.dtype)
+    kv_all = all_gather(group, torch.stack([k, v]), stats, "backward")
+    # dK, dV partial of every owner's K, V (zero where this rank's queries see none of them).
+    dkv_part = torch.zeros((P, 2) + tuple(k.shape), dtype=acc, device=k.device)
+    dq = None
+    for step in range(P):
+        src = (r - step) % P
+        for qs, ks, mask, seg in zigzag_blocks(r, src, s, causal, packing):
+            dq_b, dk_b, dv_b = block_bwd(do[:, qs], q[:, qs], kv_all[src, 0][:, ks], kv_all[src, 1][:, ks],
+                                         o[:, qs], lse[:, :, qs], mask=mask, scale=scale, backend=backend,
+                                         cu_seqlens_q=seg)
+            if dq is None and qs == ALL:
+                dq = dq_b.to(acc)
+            else:
+                if dq is None:
+                    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+                dq[:, qs].add_(dq_b)
+            dkv_part[src, 0][:, ks].add_(dk_b)
+            dkv_part[src, 1][:, ks].add_(dv_b)
+    dkv = reduce_at_owner(group, dkv_part, r, q.dtype, stats)        # [2, b, s, h_kv, d] in fp32
+    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
+def allgather_attention(q, k, v, *, group, causal: bool = True, softmax_scale: float, backend: str | None = None,
+                        comm_stats: CommStats | None = None, packing=None):
+    """All-gather KV attention on validated zigzag shards: q [b, s, h, d], k, v [b, s, h_kv, d] -> [b, s, h, d]
+    (`packing`: the `_packing.Packing` of a packed sequence, each document zigzagged on its own)."""
+    return in_zigzag_order(packing, causal, q, k, v, lambda q, k, v: CPAttention.apply(
+        q, k, v, saving_inputs(_forward), _backward, group, causal, softmax_scale, backend, comm_stats, packing))

@@ -1,0 +1,129 @@
+"""The cost-model entries of the collective algorithms: allgather (algos/allgather.py), ulysses
+(algos/ulysses.py) and ulysses-ring (algos/ulysses_ring.py). Each row of algos/registry.py names its entry here;
+cost_model.py holds the ring and Attention2D entries and the shared Problem, Prediction and `choose_algo`.
+
+Bytes are exactly what the algorithms' CommStats counters count (tests/test_cost_model.py, test_cp_attention.py
+assert equality on gloo), with comm.py's convention (an all-gather or all-to-all over g ranks sends g - 1
+chunks). Times: the collectives are waited for (no overlap: sum of transfer and compute); ulysses-ring's ring
+steps overlap as ring's do. A shape whose heads an all-to-all cannot split predicts an infinite time (so `auto`
+never picks it) and no bytes.
+"""
+from __future__ import annotations
+
+import math
+
+from .cost_hardware import ADD_BYTES, MERGE_BYTES, overlapped, phase_link
+from .cost_model import Prediction, Problem, _sizes, attention_flops
+
+
+# ----------------------------------------------------------------------------------------------- bytes
+def allgather_bytes(pb: Problem) -> tuple[int, int]:
+    """(forward, backward) bytes per rank: K, V gathered, (P-1) 2 n_kv e; the backward gathers them again and
+    sends every other owner its dK, dV partial in the input dtype (summed at the owner), (P-1) 4 n_kv e."""
+    _, _, n_kv, _, e, _ = _sizes(pb)
+    P = pb.world
+    return (P - 1) * 2 * n_kv * e, (P - 1) * 4 * n_kv * e
+
+
+def heads_allow(h: int, h_kv: int, u: int) -> bool:
+    """Whether an all-to-all over u ranks can split h q heads and h_kv K, V heads (replicated when h_kv < u)."""
+    return h % u == 0 and (h_kv % u == 0 or u % h_kv == 0)
+
+
+def ulysses_bytes(pb: Problem, u: int | None = None) -> tuple[int, int]:
+    """(forward, backward) bytes per rank of the head all-to-all over u ranks (None: all P, i.e. ulysses) and
+    the ring across the P / u groups: each way (u-1) b s d e (2 h / u + 2 k_u) with k_u = h_kv / u, or 1 for
+    replicated K, V heads; the ring (P/u - 1) 2 n' e forward, (P/u - 1) 2 n' (e + a) backward, with
+    n' = b u s k_u d the K, V a rank holds after the all-to-all."""
+    s, _, _, _, e, acc = _sizes(pb)
+    u = pb.world if u is None else u
+    if not heads_allow(pb.heads, pb.kv_heads, u):
+        return 0, 0
+    k_u, b, d, g = max(pb.kv_heads // u, 1), pb.batch, pb.head_dim, pb.world // u
+    a2a = (u - 1) * b * s * d * e * (2 * pb.heads // u + 2 * k_u)
+    n_kv = b * u * s * k_u * d
+    return a2a + (g - 1) * 2 * n_kv * e, a2a + (g - 1) * 2 * n_kv * (e + acc)
+
+
+def ulysses_grid(pb: Problem) -> tuple[int, int]:
+    """ulysses-ring's (R, U): pb.grid, else the runtime default (algos/ulysses_ring.py `default_grid`)."""
+    from .algos import registry  # noqa: PLC0415
+
+    return pb.grid or registry.get("ulysses-ring").grid_shape(pb.world, pb.heads, pb.kv_heads)
+
+
+# ----------------------------------------------------------------------------------------------- entries
+def a2a_time(nbytes: float, u: int, hw) -> float:
+    """Seconds of an all-to-all in which every rank of groups of u consecutive ranks sends `nbytes`, spread evenly
+    over its u - 1 peers, all groups at once: the chunks to peers on other nodes leave through the node's NICs,
+    which every GPU of the node shares at that moment (unlike a ring collective, whose one flow per node crosses);
+    the others ride NVLink; both at once."""
+    if u <= 1 or not nbytes:
+        return 0.0
+    G = hw.gpus_per_node
+    on_node = min(u, G) - 1 if u > G or G % u == 0 else u - 1         # peers on this rank's node
+    off = nbytes * (u - 1 - on_node) / (u - 1)
+    share = min(1.0, hw.nics / G)
+    t = max(off / (hw.inter_bw * share), (nbytes - off) / hw.intra_bw)
+    return t + hw.intra_lat + (hw.inter_lat if off else 0.0)
+
+
+def _infeasible(algo, pb, grid=None):
+    F, B = attention_flops(pb)
+    return Prediction(algo, math.inf, math.inf, 0, 0, F, B, grid)
+
+
+def allgather_cost(algo: str, pb: Problem, hw, rank: int | None = None) -> Prediction:
+    """One all-gather, the P zigzag blocks merged, then the same backward with one all-to-all of partials."""
+    P = pb.world
+    _, n_q, n_kv, _, e, _ = _sizes(pb)
+    F, B = attention_flops(pb)
+    fwd_bytes, bwd_bytes = allgather_bytes(pb)
+    link = phase_link([list(range(P))], hw, p2p=False)
+    merge = n_q * MERGE_BYTES / hw.mem_bw
+    fwd = link.t(fwd_bytes) + F / hw.fwd_tflops + (P - 1) * merge
+    adds = (n_q + 2 * n_kv) * ADD_BYTES / hw.mem_bw
+    bwd = link.t(fwd_bytes) + B / hw.bwd_tflops + P * adds + link.t(bwd_bytes - fwd_bytes)
+    return Prediction(algo, fwd, bwd, fwd_bytes, bwd_bytes, F, B)
+
+
+def _heads_cost(algo: str, pb: Problem, hw, R: int, U: int, grid) -> Prediction:
+    P = pb.world
+    if not heads_allow(pb.heads, pb.kv_heads, U):
+        return _infeasible(algo, pb, grid)
+    s, n_q, _, _, e, acc = _sizes(pb)
+    F, B = attention_flops(pb)
+    fwd_bytes, bwd_bytes = ulysses_bytes(pb, U)
+    k_u = max(pb.kv_heads // U, 1)
+    q_chunk = (U - 1) * pb.batch * s * pb.head_dim * e * pb.heads // U       # Q (or O, dO, dQ) one way
+    kv_chunk = (U - 1) * pb.batch * s * pb.head_dim * e * 2 * k_u           # K, V (or dK, dV)
+    ta = lambda n: a2a_time(n, U, hw)  # noqa: E731
+    if R == 1:
+        fwd = ta(q_chunk + kv_chunk) + F / hw.fwd_tflops + ta(q_chunk)
+        bwd = ta(q_chunk) + B / hw.bwd_tflops + ta(q_chunk + kv_chunk)
+        return Prediction(algo, fwd, bwd, fwd_bytes, bwd_bytes, F, B, grid)
+    # The ring across the groups on the head-sharded tensors, timed as ring.py's (cost_model.ring_family_cost).
+    cols = [[i * U + j for i in range(R)] for j in range(U)]
+    link = phase_link(cols, hw, p2p=True)
+    n_kv = pb.batch * U * s * k_u * pb.head_dim
+    cf, cb = F / R / hw.fwd_tflops, B / R / hw.bwd_tflops
+    merge = n_q * MERGE_BYTES / hw.mem_bw
+    ring_f = overlapped([cf] + [cf + merge] * (R - 2), [link.t(2 * n_kv * e)] * (R - 1)) + cf + merge
+    adds = (n_q + 2 * n_kv) * ADD_BYTES / hw.mem_bw
+    m_blk, m_acc = 2 * n_kv * e, 2 * n_kv * acc
+    comm = [link.t(m_blk + (m_acc if i >= 2 else 0), 2 if i >= 2 else 1) for i in range(R - 1)]
+    ring_b = overlapped([cb + adds] * (R - 1), comm) + max(cb + adds, link.t(m_acc) if R > 2 else 0.0) + link.t(m_acc)
+    fwd = ta(q_chunk + kv_chunk) + ring_f + ta(q_chunk)
+    bwd = ta(q_chunk) + ring_b + ta(q_chunk + kv_chunk)
+    return Prediction(algo, fwd, bwd, fwd_bytes, bwd_bytes, F, B, grid)
+
+
+def ulysses_cost(algo: str, pb: Problem, hw, rank: int | None = None) -> Prediction:
+    """Two all-to-alls each way around one local attention over the whole sequence (h / P heads)."""
+    return _heads_cost(algo, pb, hw, 1, pb.world, None)
+
+
+def ulysses_ring_cost(algo: str, pb: Problem, hw, rank: int | None = None) -> Prediction:
+    """The all-to-alls inside grid rows of U consecutive ranks, ring.py's ring over the R rows between them."""
+    R, U = ulysses_grid(pb)
+    return _heads_cost(algo, pb, hw, R, U, (R, U))
