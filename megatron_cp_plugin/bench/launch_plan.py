@@ -6,9 +6,10 @@
 prints `plan: <X> GiB per GPU of <Y> GiB (<layout>)`, then the training command's arguments, one per line:
 megatron-cp-pretrain's (the given ones plus the layout's flags) or, with --trainer megatron-lm, pretrain_gpt.py's
 (megatron_lm/flags.py with the layout). --layout:
-  auto     the planner's first layout that fits (plan.recommend's order: less sharding first, then recompute,
-           then pipeline stages, which only Megatron-LM has), among those the configs and flags already
-           force: full recompute if they ask for it, Megatron-FSDP (and its strategy) if they ask for it
+  auto     what the configs and flags say while it fits; else the planner's first layout that fits
+           (plan.recommend's order: less sharding first, then recompute, then pipeline stages, which only
+           Megatron-LM has), among those the configs and flags force: full recompute if they ask for it,
+           Megatron-FSDP (and its strategy) if they ask for it
   config   what the configs and flags say (Megatron's distributed optimizer in every GPT-3 config)
   NAME     one of the planner's layouts: zero1, fsdp-optim, fsdp-optim_grads, fsdp-optim_grads_params, ppN-zero1
            (megatron-lm), each optionally +recompute; fsdp = fsdp-optim_grads_params
@@ -81,8 +82,8 @@ def choose(a, trainer: str, layout: str, gpus: int, gpu_mem: float, headroom: fl
         lay = None if layout in ("auto", "config") else parse_layout(layout, trainer)
         return lay, f"plan: not checked ({e})", None
     cp_gpus = a.context_parallel_size or gpus     # a smaller CP leaves DP > 1: sharded over CP only (more bytes)
-    if layout == "auto":
-        options = candidates(a, m, cp_gpus, trainer)
+    if layout == "auto":                          # the configs' own layout while it fits: change only what must
+        options = [config_layout(a)] + [lay for lay in candidates(a, m, cp_gpus, trainer) if lay != config_layout(a)]
     else:
         options = [config_layout(a) if layout == "config" else parse_layout(layout, trainer)]
     sized = [(lay, plan.estimate(m, lay, cp_gpus).total / plan.GiB) for lay in options

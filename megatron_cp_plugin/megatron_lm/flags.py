@@ -7,8 +7,8 @@ prints the pretrain_gpt.py arguments, one per line (launch/run.sh reads them wit
 keys are Megatron-LM's flag names already, so most pass through by name; the exceptions are below. The
 model is the plugin trainer's (RMSNorm, RoPE, GELU MLP with biases), so both trainers train the same thing.
 
-Parallel layout (`--layout`): one of the memory planner's layouts (megatron_cp_plugin/bench/plan.py): zero1
-(Megatron's distributed optimizer), fsdp-optim, fsdp-optim_grads, fsdp-optim_grads_params (Megatron-FSDP over
+Parallel layout (`--layout`): one of the memory planner's layouts (megatron_cp_plugin/bench/plan.py): ddp
+(Megatron's DDP, nothing sharded), zero1 (Megatron's distributed optimizer), fsdp-optim, fsdp-optim_grads, fsdp-optim_grads_params (Megatron-FSDP over
 data x context parallel; `fsdp` is the last, as the Attention2D paper runs its linear layers, Sec. 3.3) or ppN-zero1
 (N pipeline stages, CP = world / (TP x N)), each optionally `+recompute` (full layer-wise recompute). The launch
 scripts pass the one the planner picked for the job's GPUs (megatron_cp_plugin/bench/launch_plan.py). `auto`
@@ -49,7 +49,7 @@ def gpt_params(a) -> float:
 
 
 RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
-LAYOUT_RE = re.compile(r"(?:pp(\d+)-)?(zero1|fsdp|fsdp-optim|fsdp-optim_grads|fsdp-optim_grads_params)(\+recompute)?")
+LAYOUT_RE = re.compile(r"(?:pp(\d+)-)?(ddp|zero1|fsdp|fsdp-optim|fsdp-optim_grads|fsdp-optim_grads_params)(\+recompute)?")
 
 
 def parse_layout(a, layout: str) -> tuple[str, int, bool]:
@@ -58,7 +58,7 @@ def parse_layout(a, layout: str) -> tuple[str, int, bool]:
         layout = "zero1" if 6 * gpt_params(a) / a.tensor_model_parallel_size <= ZERO1_LIMIT else "fsdp"
     m = LAYOUT_RE.fullmatch(layout.replace(" ", ""))
     if not m or (m.group(1) and m.group(2) != "zero1") or (m.group(1) and int(m.group(1)) < 1):
-        raise ValueError(f"--layout {layout}: expected auto, zero1, fsdp, fsdp-optim, fsdp-optim_grads, "
+        raise ValueError(f"--layout {layout}: expected auto, ddp, zero1, fsdp, fsdp-optim, fsdp-optim_grads, "
                          "fsdp-optim_grads_params or ppN-zero1, each optionally +recompute")
     zero = {"fsdp": "optim_grads_params"}.get(m.group(2), m.group(2).removeprefix("fsdp-"))
     return zero, int(m.group(1) or 1), bool(m.group(3))
@@ -67,7 +67,7 @@ def parse_layout(a, layout: str) -> tuple[str, int, bool]:
 def layout_flags(a, layout: str) -> list[str]:
     """Megatron-LM flags of the parallel layout (see the module docstring)."""
     zero, pp, recompute = parse_layout(a, layout)
-    out = ["--use-distributed-optimizer"] if zero == "zero1" else [
+    out = [] if zero == "ddp" else ["--use-distributed-optimizer"] if zero == "zero1" else [
         "--use-megatron-fsdp", "--data-parallel-sharding-strategy", zero, "--use-distributed-optimizer",
         "--ckpt-format", "fsdp_dtensor"]
     if pp > 1:
