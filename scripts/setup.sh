@@ -57,7 +57,8 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
     echo "setup.sh: no GPU: installing torch's CPU build from https://download.pytorch.org/whl/cpu" >&2
     "$PY" -m pip install -q torch==2.13.0 --extra-index-url https://download.pytorch.org/whl/cpu
   fi
-  "$PY" -c "import torch; print('setup.sh: torch', torch.__version__, '(CUDA ' + torch.version.cuda + ')' if torch.version.cuda else '(CPU build)')" >&2
+  "$PY" -c "import torch; c = torch.version.cuda; print('setup.sh: torch', torch.__version__, \
+    f'(CUDA {c} build)' if c else '(CPU build)')" >&2
 fi
 # Triton (DeFT, flash-decode kernels): GPU images get it with their torch; elsewhere the kernels run in Triton's
 # CPU interpreter (TRITON_INTERPRET=1) for the tests, so install it where it is missing.

@@ -8,11 +8,11 @@ keys are Megatron-LM's flag names already, so most pass through by name; the exc
 model is the plugin trainer's (RMSNorm, RoPE, GELU MLP with biases), so both trainers train the same thing.
 
 Parallel layout (`--layout`): one of the memory planner's layouts (megatron_cp_plugin/bench/plan.py): ddp
-(Megatron's DDP, nothing sharded), zero1 (Megatron's distributed optimizer), fsdp-optim, fsdp-optim_grads, fsdp-optim_grads_params (Megatron-FSDP over
-data x context parallel; `fsdp` is the last, as the Attention2D paper runs its linear layers, Sec. 3.3) or ppN-zero1
-(N pipeline stages, CP = world / (TP x N)), each optionally `+recompute` (full layer-wise recompute). The launch
-scripts pass the one the planner picked for the job's GPUs (megatron_cp_plugin/bench/launch_plan.py). `auto`
-here, with no GPU size to plan for, keeps the rule of thumb: ZeRO-1 while the bf16 weights and fp32 gradients
+(Megatron's DDP, nothing sharded), zero1 (Megatron's distributed optimizer), fsdp-optim, fsdp-optim_grads,
+fsdp-optim_grads_params (Megatron-FSDP over data x context parallel; `fsdp` is the last, as the Attention2D
+paper runs its linear layers, Sec. 3.3) or ppN-zero1 (N pipeline stages, CP = world / (TP x N)), each optionally
+`+recompute` (full layer-wise recompute). The launch scripts pass the one the planner picked for the job's GPUs
+(megatron_cp_plugin/bench/launch_plan.py). `auto` here, with no GPU size to plan for, keeps the rule of thumb: ZeRO-1 while the bf16 weights and fp32 gradients
 that every GPU keeps whole under it (6 bytes per parameter) stay under 24 GB, a third of an 80 GB GPU; above that
 (GPT-3 13B: 78 GB) fsdp-optim_grads_params.
 """
@@ -49,7 +49,8 @@ def gpt_params(a) -> float:
 
 
 RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
-LAYOUT_RE = re.compile(r"(?:pp(\d+)-)?(ddp|zero1|fsdp|fsdp-optim|fsdp-optim_grads|fsdp-optim_grads_params)(\+recompute)?")
+LAYOUT_RE = re.compile(r"(?:pp(\d+)-)?(ddp|zero1|fsdp|fsdp-optim|fsdp-optim_grads|fsdp-optim_grads_params)"
+                       r"(\+recompute)?")
 
 
 def parse_layout(a, layout: str) -> tuple[str, int, bool]:
