@@ -12,9 +12,9 @@ Parallel layout (`--layout`): one of the memory planner's layouts (megatron_cp_p
 fsdp-optim_grads_params (Megatron-FSDP over data x context parallel; `fsdp` is the last, as the Attention2D
 paper runs its linear layers, Sec. 3.3) or ppN-zero1 (N pipeline stages, CP = world / (TP x N)), each optionally
 `+recompute` (full layer-wise recompute). The launch scripts pass the one the planner picked for the job's GPUs
-(megatron_cp_plugin/bench/launch_plan.py). `auto` here, with no GPU size to plan for, keeps the rule of thumb: ZeRO-1 while the bf16 weights and fp32 gradients
-that every GPU keeps whole under it (6 bytes per parameter) stay under 24 GB, a third of an 80 GB GPU; above that
-(GPT-3 13B: 78 GB) fsdp-optim_grads_params.
+(megatron_cp_plugin/bench/launch_plan.py). `auto` here, with no GPU size to plan for, keeps the rule of thumb:
+ZeRO-1 while the bf16 weights and fp32 gradients that every GPU keeps whole under it (6 bytes per parameter) stay
+under 24 GB, a third of an 80 GB GPU; above that (GPT-3 13B: 78 GB) fsdp-optim_grads_params.
 """
 from __future__ import annotations
 
