@@ -11,8 +11,10 @@ if [[ -z ${NPROC_PER_NODE:-} ]]; then
   [[ ${NPROC_PER_NODE:-0} -gt 0 ]] || NPROC_PER_NODE=4
 fi
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+prepare_run                                  # the plan (refuses what does not fit), flags, patch: here
 cd "$TRAIN_CWD"
 echo "launch/local.sh: $NPROC_PER_NODE ranks, $ALGO, $TRAINER trainer, result $RESULT_JSON"
+echo "$PLAN_LINE"
 cmd=("$PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC_PER_NODE" "${TRAIN_CMD[@]}")
 if [[ ${DRY_RUN:-0} == 1 ]]; then printf '%q ' "${cmd[@]}"; echo; exit 0; fi
 exec "${cmd[@]}"

@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec "${PYTHON:-python3}" -m megatron_cp_plugin.demo "$@"
+source scripts/python.sh
+exec "$PY" -m megatron_cp_plugin.demo "$@"

@@ -5,6 +5,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-PY=${PYTHON:-python3}
+source scripts/python.sh
 NPROC=$("$PY" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 4)")
 exec "$PY" -W ignore -m megatron_cp_plugin.pretrain --compare-cp1 --nproc "$NPROC" --mock-data "$@"

@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec "${PYTHON:-python3}" -m pytest -q --timeout 900 tests "$@"
+source scripts/python.sh                  # setup.sh's interpreter, its bin/ first on PATH
+exec "$PY" -m pytest -q --timeout 900 tests "$@"

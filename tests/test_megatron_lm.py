@@ -210,8 +210,9 @@ def test_slurm_dry_run_drives_pretrain_gpt_for_every_config(tmp_path, config):
     fake = tmp_path / "Megatron-LM"
     fake.mkdir()
     (fake / "pretrain_gpt.py").write_text("")
+    # PLAN_FORCE: 66B and 175B do not fit 8 GPUs (the refusal is tests/test_slurm.py's); here: the flags
     r = _dry_run("run.sh", TRAINER="megatron-lm", MEGATRON_LM=str(fake), CONFIG=f"configs/{config}.toml",
-                 ALGO="attention2d-no", NNODES="2", NPROC_PER_NODE="4", result_dir=tmp_path)
+                 ALGO="attention2d-no", NNODES="2", NPROC_PER_NODE="4", PLAN_FORCE="1", result_dir=tmp_path)
     assert r.returncode == 0, r.stderr
     cmd = r.stdout.strip().splitlines()[-1]
     assert f"cd {fake} &&" in cmd and "pretrain_gpt.py" in cmd and "--nnodes 2 --nproc-per-node 4" in cmd

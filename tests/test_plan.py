@@ -100,3 +100,70 @@ def test_gpt3_config_comments_name_the_planners_layouts(size):
         found = re.search(rf"^#\s+{mem} GB GPUs:\s+(.+)$", text, re.M)
         assert found, f"{path} has no '{mem} GB GPUs:' comment"
         assert found.group(1).strip() == plan.recommendation_line(m, mem)
+
+
+# ------------------------------------------------------------ the launch scripts' plan (bench/launch_plan.py)
+from megatron_cp_plugin.bench import launch_plan  # noqa: E402
+from megatron_cp_plugin.megatron_lm.flags import layout_flags, megatron_lm_flags  # noqa: E402
+from megatron_cp_plugin.training.config import build_parser  # noqa: E402
+
+
+def _sbatch_shape(path):
+    text = path.read_text()
+    nodes = int(re.search(r"^#SBATCH --nodes=(\d+)", text, re.M).group(1))
+    gpn = int(re.search(r"^#SBATCH --gpus-per-node=(\d+)", text, re.M).group(1))
+    config = re.search(r"CONFIG=\$\{CONFIG:-([^}]+)\}", text).group(1).split()
+    return nodes * gpn, config
+
+
+@pytest.mark.parametrize("size", ["760m", "2.7b", "13b", "66b", "175b"])
+def test_shipped_gpt3_sbatch_scripts_fit_their_gpus_with_either_trainer(size):
+    gpus, config = _sbatch_shape(REPO / f"launch/gpt3-{size}.sbatch")
+    for seq in (None, 65536):                      # the config's, and the docs' SEQ=65536 examples
+        a = parse_args(["--config", *(str(REPO / c) for c in config)] + (["--seq-length", str(seq)] if seq else []))
+        for trainer in ("plugin", "megatron-lm"):
+            lay, line, err = launch_plan.choose(a, trainer, "auto", gpus, 80, 4.0, False)
+            assert err is None, (size, seq, trainer, err)
+            gib = float(re.fullmatch(r"plan: ([0-9.]+) GiB per GPU of 80 GiB \((.+)\)", line).group(1))
+            assert gib + 4 <= 80 and line.endswith(f"({lay.name})"), line
+
+
+def test_a_named_layout_that_does_not_fit_is_refused_naming_one_that_does():
+    a = parse_args(["--config", str(REPO / "configs/gpt3-13b.toml"), "--seq-length", "65536"])
+    lay, line, err = launch_plan.choose(a, "plugin", "zero1", 16, 80, 4.0, False)
+    assert line == "plan: 112.0 GiB per GPU of 80 GiB (zero1)"
+    assert err.startswith("launch: LAYOUT=zero1") and "fsdp-optim_grads fits (LAYOUT=auto picks it)" in err
+    assert launch_plan.choose(a, "plugin", "zero1", 16, 80, 4.0, True)[2] is None          # PLAN_FORCE=1
+    # what the configs say (zero1) does not fit either; auto does
+    assert launch_plan.choose(a, "plugin", "config", 16, 80, 4.0, False)[2] is not None
+    lay, line, err = launch_plan.choose(a, "plugin", "auto", 16, 80, 4.0, False)
+    assert err is None and lay.name == "fsdp-optim_grads"
+    with pytest.raises(ValueError, match="LAYOUT 'zero3'"):
+        launch_plan.choose(a, "plugin", "zero3", 16, 80, 4.0, False)
+    with pytest.raises(ValueError, match="LAYOUT 'pp2-zero1'"):          # no pipeline stages in the plugin trainer
+        launch_plan.choose(a, "plugin", "pp2-zero1", 16, 80, 4.0, False)
+
+
+def test_auto_keeps_what_the_flags_force():
+    base = ["--config", str(REPO / "configs/gpt3-760m.toml")]
+    lay = launch_plan.choose(parse_args(base), "plugin", "auto", 16, 80, 4.0, False)[0]
+    assert lay.name == "zero1"
+    lay = launch_plan.choose(parse_args(base + ["--recompute-granularity", "full"]), "plugin", "auto", 16, 80, 4.0,
+                             False)[0]
+    assert lay.name == "zero1 +recompute"                  # the flag stays, so the plan must count it
+    lay = launch_plan.choose(parse_args(base + ["--use-megatron-fsdp"]), "plugin", "auto", 16, 80, 4.0, False)[0]
+    assert lay.name == "fsdp-optim_grads_params"
+    assert launch_plan.layout_args(lay) == ["--use-megatron-fsdp", "--data-parallel-sharding-strategy",
+                                            "optim_grads_params"]
+
+
+def test_megatron_lm_flags_of_the_planners_layouts():
+    a = parse_args(["--config", str(REPO / "configs/gpt3-13b.toml")])
+    flags = megatron_lm_flags(a, build_parser(), world_size=16, layout="pp4-zero1 +recompute")
+    i = flags.index
+    assert flags[i("--pipeline-model-parallel-size") + 1] == "4" and flags[i("--context-parallel-size") + 1] == "4"
+    assert flags[i("--recompute-granularity") + 1] == "full" and "--use-megatron-fsdp" not in flags
+    assert layout_flags(a, "fsdp-optim_grads")[:3] == ["--use-megatron-fsdp", "--data-parallel-sharding-strategy",
+                                                       "optim_grads"]
+    with pytest.raises(ValueError, match="--layout pp2-fsdp"):
+        layout_flags(a, "pp2-fsdp")

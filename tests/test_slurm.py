@@ -174,3 +174,90 @@ def test_sweep_dry_run_and_summarize_need_no_cluster(tmp_path):
     assert r.returncode == 0, r.stderr
     row = next(x for x in (tmp_path / "summary.md").read_text().splitlines() if "attention2d-no" in x)
     assert row.rstrip().endswith("| 4.00 |")                 # ring's 2.0 s / 0.5 s
+
+
+# ------------------------------------------------ the launch scripts' memory plan (no cluster: DRY_RUN, a fake srun)
+def _launch(script, tmp_path, **env):
+    e = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}
+    e.update({"PYTHON": sys.executable, "RESULT_DIR": str(tmp_path / "results"), "GPU_MEM": "80",
+              "PYTHONWARNINGS": "ignore", **env})
+    e = {k: v for k, v in e.items() if v is not None}                  # None: unset
+    return subprocess.run(["bash", script], cwd=REPO, env=e, capture_output=True, text=True, timeout=120)
+
+
+def test_sbatch_dry_run_prints_the_plan_and_picks_a_layout_that_fits(tmp_path):
+    # docs/slurm.md's example: GPT-3 13B at SEQ=65536 on the script's 4 nodes x 4 GPUs of 80 GB; the config's own
+    # layout (zero1) needs 112 GiB there, so auto must pick another
+    r = _launch("launch/gpt3-13b.sbatch", tmp_path, DRY_RUN="1", SEQ="65536")
+    assert r.returncode == 0, r.stderr
+    plans = [x for x in r.stdout.splitlines() if x.startswith("plan:")]
+    assert plans == ["plan: 69.3 GiB per GPU of 80 GiB (fsdp-optim_grads)"], r.stdout
+    assert "4 nodes x 4 ranks" in r.stdout
+    cmd = r.stdout.strip().splitlines()[-1]
+    assert cmd.endswith("--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads"), cmd
+
+
+def _fake_srun(tmp_path):
+    """A srun that logs its arguments and runs only the prepare step (`env ... prepare.sh`), inside a fake
+    container when given --container-image: a PATH whose python3 logs 'container' (and skips the patch);
+    the host's python3 logs 'host'."""
+    bin_, cbin, hbin = (tmp_path / d for d in ("bin", "cbin", "hbin"))
+    for d in (bin_, cbin, hbin):
+        d.mkdir()
+    log = tmp_path / "calls.log"
+    (bin_ / "srun").write_text(f"""#!/usr/bin/env bash
+echo "srun $*" >> {log}
+c=0
+while [[ $1 == -* ]]; do [[ $1 == --container-image=* ]] && c=1; shift; done
+[[ $c == 1 ]] && export PATH={cbin}:$PATH
+[[ $1 == env ]] && exec "$@"
+exit 0
+""")
+    (cbin / "python3").write_text(f"""#!/usr/bin/env bash
+echo "container python3 $*" >> {log}
+[[ "$*" == *megatron_lm.cli\\ patch* ]] && exit 0
+exec {sys.executable} "$@"
+""")
+    (hbin / "python3").write_text(f"""#!/usr/bin/env bash
+echo "host python3 $*" >> {log}
+exec {sys.executable} "$@"
+""")
+    for f in (bin_ / "srun", cbin / "python3", hbin / "python3"):
+        f.chmod(0o755)
+    path = f"{bin_}:{hbin}:{os.environ['PATH']}"
+    alloc = dict(SLURM_JOB_ID="7", SLURM_JOB_NUM_NODES="2", SLURM_JOB_NODELIST="n1", MASTER_ADDR="n1",
+                 NPROC_PER_NODE="2", PATH=path)
+    return log, alloc
+
+
+def test_a_run_that_fits_nothing_is_refused_and_nothing_is_submitted(tmp_path):
+    log, alloc = _fake_srun(tmp_path)
+    alloc.update(SLURM_JOB_NUM_NODES="8", NPROC_PER_NODE="1")       # 175B on 8 GPUs of 80 GB
+    r = _launch("launch/gpt3-175b.sbatch", tmp_path, PYTHON=str(tmp_path / "hbin/python3"), **alloc)
+    assert r.returncode == 3, r.stdout + r.stderr
+    err = [x for x in r.stderr.splitlines() if x.startswith("launch:")]
+    assert len(err) == 1 and err[0].startswith("launch: no layout fits 80 GiB GPUs (175.2B parameters"), r.stderr
+    assert "srun" not in (log.read_text() if log.exists() else "")      # no step was started
+    assert "torch.distributed.run" not in r.stdout
+
+
+def test_with_a_container_every_step_runs_inside_it(tmp_path):
+    fake = tmp_path / "Megatron-LM"
+    fake.mkdir()
+    (fake / "pretrain_gpt.py").write_text("")
+    log, alloc = _fake_srun(tmp_path)
+    # PYTHON unset: in the container, its python3
+    r = _launch("launch/scaling.sbatch", tmp_path, CONTAINER="img.sqsh", TRAINER="megatron-lm",
+                MEGATRON_LM=str(fake), CONFIG="configs/tiny.toml", PYTHON=None, **alloc)
+    assert r.returncode == 0, r.stdout + r.stderr
+    calls = log.read_text().splitlines()
+    assert not [c for c in calls if c.startswith("host ")], calls        # the host's Python ran nothing
+    inside = [c for c in calls if c.startswith("container python3 ")]
+    assert any("megatron_cp_plugin.bench.launch_plan --trainer megatron-lm" in c for c in inside), calls
+    assert any("megatron_lm.cli patch " + str(fake) in c for c in inside), calls
+    steps = [c for c in calls if c.startswith("srun ")]
+    assert len(steps) == 2 and all("--container-image=img.sqsh" in s for s in steps), steps
+    assert "--nodes=1 --ntasks=1" in steps[0] and "prepare.sh" in steps[0]            # one step: plan, flags, patch
+    assert f"--container-mounts={REPO}:{REPO},{fake}:{fake}" in steps[1]
+    assert "torch.distributed.run" in steps[1] and "pretrain_gpt.py" in steps[1] and "--mock-data" in steps[1]
+    assert re.search(r"^plan: [0-9.]+ GiB per GPU of 80 GiB \(ddp\)$", r.stdout, re.M), r.stdout   # tiny's own

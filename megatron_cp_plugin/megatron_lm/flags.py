@@ -7,15 +7,20 @@ prints the pretrain_gpt.py arguments, one per line (launch/run.sh reads them wit
 keys are Megatron-LM's flag names already, so most pass through by name; the exceptions are below. The
 model is the plugin trainer's (RMSNorm, RoPE, GELU MLP with biases), so both trainers train the same thing.
 
-Parallel layout (`--layout auto`): Megatron's distributed optimizer (ZeRO-1) while the bf16 weights and fp32
-gradients that every GPU keeps whole under it (6 bytes per parameter) stay under 24 GB, a third of an 80 GB
-GPU; above that (GPT-3 13B: 78 GB) Megatron-FSDP with parameters, gradients and optimizer state sharded over
-data x context parallel (`optim_grads_params`), as the Attention2D paper runs its linear layers (Sec. 3.3).
+Parallel layout (`--layout`): one of the memory planner's layouts (megatron_cp_plugin/bench/plan.py): ddp
+(Megatron's DDP, nothing sharded), zero1 (Megatron's distributed optimizer), fsdp-optim, fsdp-optim_grads,
+fsdp-optim_grads_params (Megatron-FSDP over data x context parallel; `fsdp` is the last, as the Attention2D
+paper runs its linear layers, Sec. 3.3) or ppN-zero1 (N pipeline stages, CP = world / (TP x N)), each optionally
+`+recompute` (full layer-wise recompute). The launch scripts pass the one the planner picked for the job's GPUs
+(megatron_cp_plugin/bench/launch_plan.py). `auto` here, with no GPU size to plan for, keeps the rule of thumb:
+ZeRO-1 while the bf16 weights and fp32 gradients that every GPU keeps whole under it (6 bytes per parameter) stay
+under 24 GB, a third of an 80 GB GPU; above that (GPT-3 13B: 78 GB) fsdp-optim_grads_params.
 """
 from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 
 from ..megatron.tokenizer import padded_vocab_size
@@ -43,14 +48,32 @@ def gpt_params(a) -> float:
     return layers * per_layer + vocab * h
 
 
-def layout_flags(a, layout: str) -> list[str]:
-    """Megatron-LM flags of the parallel layout ("auto": by gpt_params, see the module docstring)."""
+RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+LAYOUT_RE = re.compile(r"(?:pp(\d+)-)?(ddp|zero1|fsdp|fsdp-optim|fsdp-optim_grads|fsdp-optim_grads_params)"
+                       r"(\+recompute)?")
+
+
+def parse_layout(a, layout: str) -> tuple[str, int, bool]:
+    """(zero1 or a Megatron-FSDP strategy, pipeline stages, full recompute) of a --layout name."""
     if layout == "auto":
         layout = "zero1" if 6 * gpt_params(a) / a.tensor_model_parallel_size <= ZERO1_LIMIT else "fsdp"
-    if layout == "zero1":
-        return ["--use-distributed-optimizer"]
-    return ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
-            "--use-distributed-optimizer", "--ckpt-format", "fsdp_dtensor"]
+    m = LAYOUT_RE.fullmatch(layout.replace(" ", ""))
+    if not m or (m.group(1) and m.group(2) != "zero1") or (m.group(1) and int(m.group(1)) < 1):
+        raise ValueError(f"--layout {layout}: expected auto, ddp, zero1, fsdp, fsdp-optim, fsdp-optim_grads, "
+                         "fsdp-optim_grads_params or ppN-zero1, each optionally +recompute")
+    zero = {"fsdp": "optim_grads_params"}.get(m.group(2), m.group(2).removeprefix("fsdp-"))
+    return zero, int(m.group(1) or 1), bool(m.group(3))
+
+
+def layout_flags(a, layout: str) -> list[str]:
+    """Megatron-LM flags of the parallel layout (see the module docstring)."""
+    zero, pp, recompute = parse_layout(a, layout)
+    out = [] if zero == "ddp" else ["--use-distributed-optimizer"] if zero == "zero1" else [
+        "--use-megatron-fsdp", "--data-parallel-sharding-strategy", zero, "--use-distributed-optimizer",
+        "--ckpt-format", "fsdp_dtensor"]
+    if pp > 1:
+        out += ["--pipeline-model-parallel-size", str(pp)]
+    return out + (RECOMPUTE if recompute else [])
 
 
 def megatron_lm_flags(a: argparse.Namespace, parser: argparse.ArgumentParser, *, world_size: int,
@@ -67,13 +90,13 @@ def megatron_lm_flags(a: argparse.Namespace, parser: argparse.ArgumentParser, *,
     if a.num_query_groups:
         out += ["--group-query-attention", "--num-query-groups", str(a.num_query_groups)]
     out += ["--ffn-hidden-size", str(a.ffn_hidden_size or 4 * a.hidden_size)]
-    tp = a.tensor_model_parallel_size
-    cp = a.context_parallel_size or world_size // tp            # the plugin trainer's default: all ranks
-    if world_size % (tp * cp):
-        raise ValueError(f"--context-parallel-size {cp} x --tensor-model-parallel-size {tp} does not divide "
-                         f"--world-size {world_size}")
+    tp, pp = a.tensor_model_parallel_size, parse_layout(a, layout)[1]
+    cp = a.context_parallel_size or world_size // (tp * pp)     # the plugin trainer's default: all ranks (of a stage)
+    if world_size % (tp * cp * pp):
+        raise ValueError(f"--context-parallel-size {cp} x --tensor-model-parallel-size {tp} x {pp} pipeline stages "
+                         f"does not divide --world-size {world_size}")
     out += ["--context-parallel-size", str(cp)]
-    dp = world_size // (tp * cp)
+    dp = world_size // (tp * cp * pp)
     out += ["--global-batch-size", str(a.global_batch_size or a.micro_batch_size * dp)]
     if a.data_path:
         out += ["--data-path", *a.data_path, "--split", "98,2,0"]
@@ -101,7 +124,7 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     pre = argparse.ArgumentParser(prog="python -m megatron_cp_plugin.megatron_lm.flags", add_help=False)
     pre.add_argument("--world-size", type=int, required=True)
-    pre.add_argument("--layout", choices=("auto", "zero1", "fsdp"), default="auto")
+    pre.add_argument("--layout", default="auto", help="auto, zero1, fsdp[-STRATEGY], ppN-zero1, each +recompute")
     ns, rest = pre.parse_known_args(argv)
 
     try:

@@ -1,0 +1,151 @@
+"""The memory plan of a run the launch scripts are about to start (launch/prepare.sh calls this):
+
+    python -m megatron_cp_plugin.bench.launch_plan --trainer plugin --layout auto --gpus 16 --gpu-mem 80 \\
+        -- --config configs/gpt3-13b.toml --seq-length 65536 ...
+
+prints `plan: <X> GiB per GPU of <Y> GiB (<layout>)`, then the training command's arguments, one per line:
+megatron-cp-pretrain's (the given ones plus the layout's flags) or, with --trainer megatron-lm, pretrain_gpt.py's
+(megatron_lm/flags.py with the layout). --layout:
+  auto     what the configs and flags say while it fits; else the planner's first layout that fits
+           (plan.recommend's order: less sharding first, then recompute, then pipeline stages, which only
+           Megatron-LM has), among those the configs and flags force: full recompute if they ask for it,
+           Megatron-FSDP (and its strategy) if they ask for it
+  config   what the configs and flags say (Megatron's distributed optimizer in every GPT-3 config)
+  NAME     one of the planner's layouts: zero1, fsdp-optim, fsdp-optim_grads, fsdp-optim_grads_params, ppN-zero1
+           (megatron-lm), each optionally +recompute; fsdp = fsdp-optim_grads_params
+Nothing fits (or the named layout does not): one line on stderr and exit 3, unless --force (the planner is an
+estimate). The planner models TP = 1 and every GPU of a stage in CP; with --tensor-model-parallel-size > 1 the
+line says it did not check.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+
+from . import plan
+
+RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+"""configs/recompute-full.toml: Megatron-LM's full layer-wise recompute, one layer per checkpoint."""
+
+
+def parse_layout(name: str, trainer: str) -> plan.Layout:
+    """A planner layout from its name ("fsdp-optim_grads_params+recompute", "pp8-zero1 +recompute", "fsdp")."""
+    base = name.replace(" ", "")
+    recompute = base.endswith("+recompute")
+    base = base.removesuffix("+recompute")
+    base = {"fsdp": "fsdp-optim_grads_params"}.get(base, base)
+    pp = re.fullmatch(r"pp(\d+)-zero1", base)
+    if pp and trainer == "megatron-lm" and int(pp.group(1)) >= 1:
+        return plan.Layout("zero1", int(pp.group(1)), recompute)
+    if base in plan.ZERO_LAYOUTS and base != "ddp":
+        return plan.Layout(base, 1, recompute)
+    names = "zero1, fsdp-optim, fsdp-optim_grads, fsdp-optim_grads_params" + (", ppN-zero1" if trainer ==
+                                                                              "megatron-lm" else "")
+    raise ValueError(f"LAYOUT {name!r}: expected auto, config or one of {names}, each optionally +recompute")
+
+
+def config_layout(a) -> plan.Layout:
+    """The layout the parsed megatron-cp-pretrain flags describe."""
+    from ..training.config import recompute_kwargs, sharding_strategy
+    strategy = sharding_strategy(a)
+    zero = f"fsdp-{strategy}" if strategy else "zero1" if a.use_distributed_optimizer else "ddp"
+    return plan.Layout(zero, 1, recompute_kwargs(a).get("recompute_granularity") == "full")
+
+
+def layout_args(layout: plan.Layout) -> list[str]:
+    """megatron-cp-pretrain flags that select `layout` on top of the configs' (appended: they win)."""
+    out = {"ddp": [], "zero1": ["--use-distributed-optimizer"]}.get(layout.zero)
+    if out is None:
+        out = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", layout.zero.split("-", 1)[1]]
+    return out + (RECOMPUTE if layout.recompute else [])
+
+
+def candidates(a, m: plan.Model, gpus: int, trainer: str) -> list[plan.Layout]:
+    """Layouts auto may pick, in plan.recommend's order, consistent with what the flags already force."""
+    forced = config_layout(a)
+    order = [plan.Layout(z, 1, rc) for rc in (False, True) for z in plan.PREFERENCE]
+    if trainer == "megatron-lm" and a.context_parallel_size is None:
+        order += [lay for lay in plan.layouts(m, gpus) if lay.pp > 1]
+    if forced.recompute:
+        order = [lay for lay in order if lay.recompute]
+    if a.use_megatron_fsdp:
+        order = [lay for lay in order if lay.zero == forced.zero]
+    return order
+
+
+def choose(a, trainer: str, layout: str, gpus: int, gpu_mem: float, headroom: float, force: bool):
+    """(layout or None when unchecked, the plan line, an error line or None)."""
+    try:
+        m = plan.model_from_args(a)
+    except ValueError as e:                       # TP > 1: the planner cannot say
+        lay = None if layout in ("auto", "config") else parse_layout(layout, trainer)
+        return lay, f"plan: not checked ({e})", None
+    cp_gpus = a.context_parallel_size or gpus     # a smaller CP leaves DP > 1: sharded over CP only (more bytes)
+    if layout == "auto":                          # the configs' own layout while it fits: change only what must
+        options = [config_layout(a)] + [lay for lay in candidates(a, m, cp_gpus, trainer) if lay != config_layout(a)]
+    else:
+        options = [config_layout(a) if layout == "config" else parse_layout(layout, trainer)]
+    sized = [(lay, plan.estimate(m, lay, cp_gpus).total / plan.GiB) for lay in options
+             if cp_gpus % lay.pp == 0 and m.layers % lay.pp == 0]
+    if not sized:
+        return None, "plan: -", f"launch: LAYOUT={layout}: no layout applies to {cp_gpus} GPUs and {m.layers} layers"
+    fits = [(lay, gib) for lay, gib in sized if gib + headroom <= gpu_mem]
+    lay, gib = fits[0] if fits else min(sized, key=lambda x: x[1])
+    line = f"plan: {gib:.1f} GiB per GPU of {gpu_mem:g} GiB ({lay.name})"
+    if fits or force:
+        return lay, line, None
+    what = f"{m.params / 1e9:.1f}B parameters, sequence {m.seq}, {cp_gpus} GPUs"
+    if layout == "auto":
+        err = (f"launch: no layout fits {gpu_mem:g} GiB GPUs ({what}): the smallest, {lay.name}, needs {gib:.1f} "
+               f"GiB + {headroom:g} GiB headroom; use more GPUs or a shorter SEQ (PLAN_FORCE=1 starts it anyway)")
+    else:
+        others = candidates(a, m, cp_gpus, trainer)
+        alt = next((o.name for o in others if plan.estimate(m, o, cp_gpus).total / plan.GiB + headroom <= gpu_mem),
+                   None)
+        err = (f"launch: LAYOUT={layout} ({lay.name}) needs {gib:.1f} GiB + {headroom:g} GiB headroom per GPU of "
+               f"{gpu_mem:g} GiB ({what}); " + (f"{alt} fits (LAYOUT=auto picks it)" if alt else "nothing fits")
+               + "; PLAN_FORCE=1 starts it anyway")
+    return lay, line, err
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    rest = argv[argv.index("--") + 1:] if "--" in argv else []
+    own = argv[:argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(prog="python -m megatron_cp_plugin.bench.launch_plan")
+    p.add_argument("--trainer", choices=("plugin", "megatron-lm"), required=True)
+    p.add_argument("--layout", default="auto")
+    p.add_argument("--gpus", type=int, required=True, help="GPUs of the run")
+    p.add_argument("--gpu-mem", type=float, required=True, help="GiB per GPU")
+    p.add_argument("--headroom", type=float, default=4.0)
+    p.add_argument("--force", action="store_true")
+    ns = p.parse_args(own)
+    if ns.gpus < 1:
+        print(f"launch: --gpus {ns.gpus}: must be at least 1", file=sys.stderr)
+        return 2
+    if ns.gpu_mem <= 0:
+        print(f"launch: GPU_MEM {ns.gpu_mem:g}: must be a positive number of GiB", file=sys.stderr)
+        return 2
+    from ..training.config import build_parser, parse_args
+    try:
+        a = parse_args(rest)
+        lay, line, err = choose(a, ns.trainer, ns.layout, ns.gpus, ns.gpu_mem, ns.headroom, ns.force)
+        if err:
+            print(err, file=sys.stderr)
+            return 3
+        if ns.trainer == "plugin":
+            out = rest + (layout_args(lay) if lay is not None and ns.layout != "config" else [])
+        else:
+            from ..megatron_lm.flags import megatron_lm_flags
+            out = megatron_lm_flags(a, build_parser(), world_size=ns.gpus, layout=lay.name if lay else "auto")
+    except ValueError as e:
+        print(f"launch: {e}", file=sys.stderr)
+        return 2
+    print(line)
+    print("\n".join(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
