@@ -103,7 +103,8 @@ def test_generate_names_a_model_flag_that_disagrees_with_the_checkpoint(checkpoi
 def test_decode_bench_model_mode_on_gloo(tmp_path):
     # The --model bench's plumbing (token check, random-K/V latency rows, report, clean exit) on CPU processes;
     # on GPUs scripts/gpu_decode_check.sh runs it with graphs at the Llama-3.1-8B shape.
-    r = subprocess.run(["torchrun", "--nproc-per-node", "2", "-m", "megatron_cp_plugin.bench.decode", "--model",
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m",
+                        "megatron_cp_plugin.bench.decode", "--model",
                         "--context", "256", "--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2",
                         "--head-dim", "64", "--ffn", "128", "--tokens", "4", "--eager-context", "256",
                         "--check-context", "32", "--dtype", "fp32", "--out", str(tmp_path / "dm")],
