@@ -12,9 +12,11 @@ import math
 from dataclasses import dataclass
 
 
-# Memory-bound steps, in bytes of HBM traffic per element at `Hardware.mem_bw`. merge_ (kernels/merge.py) is six
+# Memory-bound steps, in bytes of HBM traffic per element at `Hardware.mem_bw`. merge_ (kernels/merge.py) was six
 # unfused elementwise kernels: measured 0.532 ms for 33.5M elements and 1.73 ms for 134M on H200
-# (docs/results/local_attn.md), i.e. 54-67 bytes per element at the measured 4.2 TB/s copy bandwidth.
+# (docs/results/local_attn.md), i.e. 54-67 bytes per element at the measured 4.2 TB/s copy bandwidth. It is now
+# five kernels with one pass over o (about 18 bytes per element by count, not yet timed on a GPU); the 60 stays
+# until `megatron-cp-bench rank` measures it, and its fitted factors (cost_compute.py) absorb the difference.
 MERGE_BYTES = 60
 # A gradient-accumulator add (fp32 += block result): read 4 + 4, write 4.
 ADD_BYTES = 12
