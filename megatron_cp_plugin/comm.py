@@ -75,11 +75,6 @@ class Ring:
     def wait(self) -> None:
         for w in self._works:
             w.wait()
-        if self._works and self._staged:
-            # gloo: keep the finished batch referenced until this group's next ring batch, so that the main thread,
-            # not gloo's worker thread at interpreter exit, frees it (see run_collective; the packed bench's ranks
-            # still aborted at exit 1 run in 10 with rings released here)
-            _HELD_WORK[(self.group, "ring", self.phase)] = self._works
         self._works = []
         for host, dev in self._landing:                          # staged: the received bytes onto the device
             dev.copy_(host)
