@@ -11,6 +11,7 @@ nothing about speed and are labelled so.
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
@@ -43,6 +44,16 @@ def too_many_ranks(local_ranks: int, share: bool, what: str = "--nproc") -> str 
     return (f"{what} {local_ranks}: this machine has {gpus} GPU{'s' if gpus > 1 else ''}; pass {SHARE_FLAG} to "
             f"run {local_ranks} ranks on {'them' if gpus > 1 else 'it'} over gloo (verification, not speed), "
             f"or use at most {gpus} ranks")
+
+
+def refuse_unshared_ranks(prog: str, share: bool) -> None:
+    """In a rank that torchrun or SLURM started (no launcher of ours checked before it): exit 2 when this
+    machine's ranks outnumber its GPUs without the opt-in; local rank 0 says why in one line."""
+    refuse = too_many_ranks(local_world(), share, "ranks per node")
+    if refuse:
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            print(f"{prog}: error: {refuse} ({SHARE_ENV}=1 under torchrun)", file=sys.stderr, flush=True)
+        os._exit(2)
 
 
 def local_world() -> int:

@@ -95,3 +95,18 @@ def test_shared_gpu_runs_megatrons_coalesced_collectives_one_by_one(pools):
     for rank, (recorded, left, left_sync, out, x) in enumerate(pools(2).run(_one_by_one_block)):
         assert recorded == 2 and left == 0 and left_sync == 0
         assert out == [1.0] * 4 + [2.0] * 4 and x == [3.0] * 4
+
+
+def test_a_torchrun_rank_refuses_in_one_line_from_local_rank_0(one_gpu, monkeypatch, capsys):
+    exits = []
+    monkeypatch.setattr(devices.os, "_exit", lambda code: exits.append(code))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    for local in ("0", "1"):
+        monkeypatch.setenv("LOCAL_RANK", local)
+        devices.refuse_unshared_ranks("megatron-cp-bench", devices.sharing())
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exits == [2, 2] and len(err) == 1 and err[0].startswith("megatron-cp-bench: error: ranks per node 2")
+    assert "--share-gpu" in err[0] and "MCP_SHARE_GPU=1" in err[0]
+    exits.clear()
+    devices.refuse_unshared_ranks("megatron-cp-bench", True)             # opted in: nothing to refuse
+    assert exits == []

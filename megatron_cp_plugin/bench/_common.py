@@ -19,11 +19,7 @@ def init_distributed():
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29511")
     share = devices.sharing()
-    refuse = devices.too_many_ranks(devices.local_world(), share, "ranks per node")
-    if refuse:
-        if os.environ.get("LOCAL_RANK", "0") == "0":
-            print(f"megatron-cp-bench: error: {refuse}", file=sys.stderr, flush=True)
-        sys.exit(2)
+    devices.refuse_unshared_ranks("megatron-cp-bench", share)
     dev = devices.rank_device(int(os.environ["LOCAL_RANK"]))
     if dev.type == "cuda":
         torch.cuda.set_device(dev)

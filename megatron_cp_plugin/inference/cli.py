@@ -33,8 +33,8 @@ from .checkpoint import (MODEL_ARGS, apply_model_args, check_loadable, checkpoin
 
 GENERATION_USES = MODEL_ARGS + (
     "help", "verbose", "max_position_embeddings", "context_parallel_size", "tensor_model_parallel_size", "bf16",
-    "load", "seed", "tokenizer_type", "make_vocab_size_divisible_by", "dist_timeout", "nproc", "share_gpu", "deterministic_mode",
-    "context_parallel_algo", "cp_grid", "cp_gpus_per_node", "cp_hardware")
+    "load", "seed", "tokenizer_type", "make_vocab_size_divisible_by", "dist_timeout", "nproc", "share_gpu",
+    "deterministic_mode", "context_parallel_algo", "cp_grid", "cp_gpus_per_node", "cp_hardware")
 """megatron-cp-pretrain's flags that generation reads; --help lists these, the generation flags and --config. The
 others still parse (a training --config file sets them) and do nothing here."""
 

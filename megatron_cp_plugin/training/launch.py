@@ -27,12 +27,7 @@ def run_rank(rank: int, world: int, args, port: int | None, target) -> None:
                               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         share = devices.sharing(getattr(args, "share_gpu", False))
         if port is None:                    # torchrun / SLURM: the launcher was not ours, so check here
-            refuse = devices.too_many_ranks(devices.local_world(), share, "ranks per node")
-            if refuse:
-                if int(os.environ.get("LOCAL_RANK", 0)) == 0:
-                    print(f"{getattr(args, 'prog', 'megatron-cp-pretrain')}: error: {refuse} "
-                          f"(MCP_SHARE_GPU=1 under torchrun)", file=sys.stderr, flush=True)
-                os._exit(2)
+            devices.refuse_unshared_ranks(getattr(args, "prog", "megatron-cp-pretrain"), share)
         if getattr(args, "deterministic_mode", False):
             # cuBLAS picks its workspace (and with it the reduction order) when its handle is made: before CUDA
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
