@@ -5,6 +5,8 @@ global process-group state.
 """
 from __future__ import annotations
 
+import datetime
+
 from dataclasses import dataclass
 
 import torch
@@ -231,23 +233,53 @@ def all_gather(group, x: torch.Tensor, stats=None, phase="forward") -> torch.Ten
     return out
 
 
-def all_to_all(group, parts, stats=None, phase="forward") -> list[torch.Tensor]:
-    """One all-to-all of several tensors [g, ...] of any dtypes (fp32 lse beside bf16 outputs): chunk c of
-    each goes to member c; returns them with chunk c from member c (`parts` itself when group is None)."""
-    parts = [t.contiguous() for t in parts]
+def all_to_all(group, parts, stats=None, phase="forward", recv=None) -> list:
+    """One all-to-all of several tensors of any dtypes (fp32 lse beside bf16 outputs): chunk c of each part goes to
+    member c; returns each part with chunk c from member c (`parts` itself when group is None).
+
+    Equal chunks: each part a tensor [g, ...], returned as one. Unequal chunks (ulysses' K, V heads where members
+    read different numbers of them): a part may instead be a list of g tensors of one dtype (chunk c for member c),
+    and `recv[i]` the g shapes of the chunks part i receives (None: the shape it sends, for a tensor part); such
+    a part comes back as a list. Unequal chunks travel as they are, with all_to_all_single's split sizes: padding
+    them to the largest would send bytes for nothing, while split sizes cost nothing (torch runs the equal-split
+    all-to-all on NCCL as the same one send and one receive per peer)."""
+    if recv is None and all(isinstance(t, torch.Tensor) for t in parts):
+        parts = [t.contiguous() for t in parts]
+        if group is None:
+            return parts
+        g = dist.get_world_size(group)
+        flat = torch.cat([t.view(g, -1).view(torch.uint8) for t in parts], dim=1)    # bytes side by side
+        out = torch.empty_like(flat)
+        run_collective(dist.all_to_all_single, out, flat, group=group)
+        _count(stats, phase, (g - 1) * flat[0].numel())
+        res, at = [], 0
+        for t in parts:
+            n = t[0].numel() * t.element_size()
+            res.append(out[:, at:at + n].contiguous().view(t.dtype).view(t.shape))
+            at += n
+        return res
+    recv = recv or [None] * len(parts)
     if group is None:
-        return parts
-    g = dist.get_world_size(group)
-    flat = torch.cat([t.view(g, -1).view(torch.uint8) for t in parts], dim=1)    # bytes side by side
-    out = torch.empty_like(flat)
-    run_collective(dist.all_to_all_single, out, flat, group=group)
-    _count(stats, phase, (g - 1) * flat[0].numel())
-    res, at = [], 0
-    for t in parts:
-        n = t[0].numel() * t.element_size()
-        res.append(out[:, at:at + n].contiguous().view(t.dtype).view(t.shape))
-        at += n
-    return res
+        return [p if r is None else list(p) for p, r in zip(parts, recv)]
+    g, me = dist.get_world_size(group), dist.get_rank(group)
+    dtypes = [p[0].dtype for p in parts]
+    shapes = [[tuple(p[0].shape)] * g if r is None else [tuple(x) for x in r] for p, r in zip(parts, recv)]
+    raw = lambda t: t.contiguous().view(-1).view(torch.uint8)  # noqa: E731
+    send = [torch.cat([raw(p[c]) for p in parts]) for c in range(g)]             # member c's bytes, part by part
+    nbytes = [[torch.Size(s[c]).numel() * dt.itemsize for c in range(g)] for s, dt in zip(shapes, dtypes)]
+    split_in = [x.numel() for x in send]
+    split_out = [sum(n[c] for n in nbytes) for c in range(g)]
+    out = torch.empty(sum(split_out), dtype=torch.uint8, device=send[0].device)
+    run_collective(dist.all_to_all_single, out, torch.cat(send), split_out, split_in, group=group)
+    _count(stats, phase, sum(split_in) - split_in[me])
+    got = [[] for _ in parts]
+    at = 0
+    for c in range(g):
+        for i, (dt, s) in enumerate(zip(dtypes, shapes)):
+            x = out[at:at + nbytes[i][c]]
+            got[i].append((x if at % dt.itemsize == 0 else x.clone()).view(dt).view(s[c]))  # view(dtype): aligned
+            at += nbytes[i][c]
+    return [torch.stack(x) if r is None else x for x, r in zip(got, recv)]
 
 
 def reduce_at_owner(group, x: torch.Tensor, me: int, wire: torch.dtype, stats=None, phase="backward"):
@@ -292,10 +324,25 @@ def get_grid(group, shape: tuple[int, int] | None = None, *, h: int = 1, h_kv: i
     return _GRIDS[key]
 
 
-def free_port() -> int:
-    """An unused TCP port on 127.0.0.1 for a local rendezvous (the launcher's spawned ranks, the demo, tests)."""
-    import socket  # noqa: PLC0415
+def serve_store(timeout_s: float = 300.0) -> dist.TCPStore:
+    """A rendezvous store this process serves on a port the OS picks (`.port`), bound for as long as the object
+    lives: the launcher's spawned ranks, the demo's and the tests' pools join it with `init_group(port=...)`, and
+    a lone rank uses one of its own. Picking a free port, closing it and letting a rank bind it later raced with
+    every other process on the machine (EADDRINUSE in test_checkpoint with 20 pytest workers on 2 x H200; two
+    jobs of a user on one node can do the same); a port that is never released cannot be taken."""
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+
+def init_group(backend: str, rank: int, world: int, port: int | None = None, timeout_s: float = 300.0,
+               **kwargs) -> None:
+    """init_process_group over the store served on 127.0.0.1:`port` (serve_store in the launching process), or,
+    with port None and one rank, over a store of this process's own; kwargs go to init_process_group."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if port is None:
+        if world != 1:
+            raise ValueError(f"world={world}: ranks of a local job join their launcher's store (port=...)")
+        store = serve_store(timeout_s)
+    else:
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **kwargs)

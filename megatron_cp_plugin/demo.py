@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 
 import megatron_cp_plugin as mcp
 from megatron_cp_plugin.bench._common import time_ms
-from megatron_cp_plugin.comm import free_port
+from megatron_cp_plugin.comm import init_group, serve_store
 from megatron_cp_plugin.kernels.local_attn import block_bwd, block_fwd, select_backend
 
 
@@ -28,8 +28,7 @@ def _worker(rank: int, a: argparse.Namespace, port: int) -> None:
         torch.cuda.set_device(dev)
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // a.nproc))
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=a.nproc)
+    init_group("nccl" if cuda else "gloo", rank, a.nproc, port)
     dtype = torch.bfloat16 if cuda else torch.float32
     g = torch.Generator(device=dev).manual_seed(0)
     q, k, v, do = (torch.randn(1, a.seq, n, a.head_dim, device=dev, dtype=dtype, generator=g)
@@ -80,7 +79,8 @@ def main(argv=None) -> None:
     a.kv_heads = a.kv_heads or a.heads
     if gpus and a.nproc > gpus:
         p.error(f"--nproc {a.nproc} exceeds the {gpus} GPUs present")
-    mp.spawn(_worker, args=(a, free_port()), nprocs=a.nproc)
+    store = serve_store()                  # held while the ranks run: their rendezvous
+    mp.spawn(_worker, args=(a, store.port), nprocs=a.nproc)
 
 
 if __name__ == "__main__":

@@ -3,10 +3,12 @@
 By default every rank owns one GPU and talks NCCL (gloo and the CPU where torch sees no GPU). With the opt-in
 shared-GPU mode (`--share-gpu`, or MCP_SHARE_GPU=1 in the ranks' environment under torchrun / SLURM), more
 ranks than GPUs run on one machine: local rank r uses GPU r mod (GPUs present) and the process group is gloo
-with CUDA tensors. gloo runs collectives on CUDA tensors (it stages them through host memory); its
-point-to-point calls do not take CUDA tensors, so `comm.Ring` stages those itself. The mode exists to verify
-on one GPU what runs on many (every algorithm, the trainer, generation, faults, determinism); its timings say
-nothing about speed and are labelled so.
+with CUDA tensors. The opt-in only allows sharing: where every local rank still has a GPU of its own (2 ranks
+on 2 GPUs with MCP_SHARE_GPU=1 set for a whole test suite) the ranks run as without it, on NCCL, and their
+record and timings say so (`shares_gpu`). gloo runs collectives on CUDA tensors (it stages them through host
+memory); its point-to-point calls do not take CUDA tensors, so `comm.Ring` stages those itself. The mode exists
+to verify on one GPU what runs on many (every algorithm, the trainer, generation, faults, determinism); its
+timings say nothing about speed and are labelled so.
 """
 from __future__ import annotations
 
@@ -78,6 +80,13 @@ def graphs_capture_collectives() -> bool:
     return not dist.is_initialized() or dist.get_backend() == "nccl"
 
 
-def backend(share: bool) -> str:
+def shares_gpu(share: bool, local_ranks: int | None = None) -> bool:
+    """Whether ranks really share a GPU: the opt-in, and more ranks on this machine (`local_ranks`, default
+    local_world()) than GPUs. Decides the backend, the run record's `shared_gpu` and the timings' label."""
+    gpus = gpu_count()
+    return bool(share) and gpus > 0 and (local_world() if local_ranks is None else local_ranks) > gpus
+
+
+def backend(share: bool, local_ranks: int | None = None) -> str:
     """NCCL for one GPU per rank; gloo on CPUs and when ranks share GPUs (NCCL refuses two ranks on one GPU)."""
-    return "nccl" if gpu_count() and not share else "gloo"
+    return "nccl" if gpu_count() and not shares_gpu(share, local_ranks) else "gloo"

@@ -11,7 +11,7 @@ import os
 import queue
 import traceback
 
-from megatron_cp_plugin.comm import free_port
+from megatron_cp_plugin.comm import init_group, serve_store
 
 
 def _worker(rank, world, port, tasks, results):
@@ -20,7 +20,7 @@ def _worker(rank, world, port, tasks, results):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    init_group("gloo", rank, world, port)
     while True:
         item = tasks.get()
         if item is None:
@@ -62,7 +62,8 @@ class DistPool:
     def __init__(self, world_size: int):
         ctx = _context()
         self.world = world_size
-        port = free_port()
+        self.store = serve_store()      # the ranks' rendezvous, bound while the pool lives (no port race)
+        port = self.store.port
         self.tasks = [ctx.Queue() for _ in range(world_size)]
         self.results = ctx.Queue()
         self.procs = [ctx.Process(target=_worker, args=(r, world_size, port, self.tasks[r], self.results), daemon=True)

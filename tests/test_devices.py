@@ -27,10 +27,26 @@ def test_more_ranks_than_gpus_need_the_opt_in(one_gpu, monkeypatch):
     assert devices.too_many_ranks(4, devices.sharing(True)) is None    # the flag
     monkeypatch.setenv(devices.SHARE_ENV, "1")
     assert devices.sharing() and devices.too_many_ranks(4, devices.sharing()) is None   # torchrun / SLURM
-    assert devices.backend(True) == "gloo" and devices.backend(False) == "nccl"
+    assert devices.backend(True, 2) == "gloo" and devices.backend(False) == "nccl"
+    assert devices.shares_gpu(True, 2) and not devices.shares_gpu(False, 2)
     assert devices.rank_device(3) == torch.device("cuda", 0)          # every rank on the one GPU
     monkeypatch.setattr(devices, "gpu_count", lambda: 0)
     assert devices.too_many_ranks(8, False) is None and devices.backend(False) == "gloo"   # CPU ranks
+
+
+def test_the_opt_in_shares_only_when_ranks_outnumber_the_gpus(monkeypatch):
+    """MCP_SHARE_GPU=1 set for a whole job or suite: ranks that each have a GPU still run on NCCL (and are not
+    labelled shared); only ranks beyond the GPUs share them over gloo. Per machine: local ranks, not the world."""
+    monkeypatch.setattr(devices, "gpu_count", lambda: 2)
+    monkeypatch.setenv(devices.SHARE_ENV, "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("WORLD_SIZE", "4")                             # 2 nodes x 2 ranks: a GPU each
+    assert not devices.shares_gpu(devices.sharing()) and devices.backend(devices.sharing()) == "nccl"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    assert devices.shares_gpu(devices.sharing()) and devices.backend(devices.sharing()) == "gloo"
+    assert devices.rank_device(2) == torch.device("cuda", 0)          # the third rank wraps round
+    monkeypatch.setattr(devices, "gpu_count", lambda: 0)
+    assert not devices.shares_gpu(True, 8) and devices.backend(True, 8) == "gloo"   # CPU ranks: never shared
 
 
 def test_the_launcher_refuses_before_any_rank_starts(one_gpu, capsys, tmp_path):

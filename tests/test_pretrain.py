@@ -82,6 +82,26 @@ def test_megatron_fsdp_with_every_algorithm_tracks_cp1(cp1_short, tmp_path, algo
     assert max(abs(a - b) for a, b in zip(losses, cp1_short)) <= 1e-4, list(zip(losses, cp1_short))
 
 
+def test_the_rendezvous_port_is_held_so_two_jobs_on_one_node_both_start():
+    """The launcher serves its ranks' rendezvous store on a port it keeps bound (comm.serve_store): picking a free
+    port, releasing it and binding it later let another process take it (EADDRINUSE under 20 pytest workers on
+    2 x H200). While a store lives nobody else can bind its port; two jobs started together both train."""
+    import socket
+
+    from megatron_cp_plugin.comm import serve_store
+
+    store = serve_store(30)
+    with socket.socket() as s, pytest.raises(OSError):
+        s.bind(("127.0.0.1", store.port))
+    del store
+    cmd = [sys.executable, "-W", "ignore", "-m", "megatron_cp_plugin.pretrain", "--nproc", "2", *TINY,
+           "--train-iters", "2", "--context-parallel-algo", "ring"]
+    jobs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    for job in jobs:
+        out, err = job.communicate(timeout=300)
+        assert job.returncode == 0 and "iter      2" in out, out[-2000:] + err[-3000:]
+
+
 def test_trains_on_preprocessed_bin_idx_and_a_rewritten_corpus_does_not_reuse_stale_indexes(tmp_path):
     """Preprocess to a prefix and train on it (CP 2, with evaluation); preprocess a smaller corpus to the same prefix
     and train again: the index cache is keyed on the data files, not reused (issue 15 item 8: an IndexError)."""

@@ -76,7 +76,7 @@ def toy_attention(q, k, v, *, group, causal, softmax_scale, backend, comm_stats,
     if packing is not None:
         raise ValueError(f"cu_seqlens: {TOY} takes no packed sequences")
     P, r = dist.get_world_size(group), dist.get_rank(group)
-    pos = [sequence_positions(q.shape[1] * P, algo=TOY, rank=i, world_size=P) for i in range(P)]
+    pos = [sequence_positions(q.shape[1] * P, algo=TOY, rank=i, world_size=P).to(q.device) for i in range(P)]
     k, v = (_GatherKV.apply(t, group).repeat_interleave(q.shape[2] // t.shape[2], 2).float() for t in (k, v))
     s = torch.einsum("bqhd,bkhd->bhqk", q.float(), k) * softmax_scale
     if causal:

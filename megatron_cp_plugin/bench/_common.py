@@ -16,25 +16,74 @@ def init_distributed():
     Returns (rank, world, device)."""
     from .. import devices
 
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29511")
+    from ..comm import init_group
+
+    lone = "RANK" not in os.environ        # python -m ... without torchrun: one rank with a store of its own
+    if lone:                               # (a fixed port collided with any other benchmark on the machine)
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     share = devices.sharing()
     devices.refuse_unshared_ranks("megatron-cp-bench", share)
     dev = devices.rank_device(int(os.environ["LOCAL_RANK"]))
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    if devices.backend(share) == "nccl":
-        dist.init_process_group("nccl", device_id=dev)
+    backend = devices.backend(share)
+    extra = {"device_id": dev} if backend == "nccl" else {}
+    if lone:
+        init_group(backend, 0, 1, **extra)
     else:
-        dist.init_process_group("gloo")
+        dist.init_process_group(backend, **extra)
     return dist.get_rank(), dist.get_world_size(), dev
+
+
+GiB = 2**30
+
+
+def free_bytes(device) -> int | None:
+    """Bytes a new allocation can still get on `device`: what CUDA reports free plus what torch's allocator
+    holds cached but unused (it hands those out first); on a CPU the memory the system has available (psutil),
+    None where that is unknown."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    try:
+        import psutil
+    except ImportError:
+        return None
+    return psutil.virtual_memory().available
+
+
+def not_fitting(need: float, device, group=None) -> str | None:
+    """Whether a configuration needing `need` more bytes on each rank can run, decided before anything of it is
+    allocated: None when it fits on every rank, else the one-line reason every rank then reports ("not run:
+    needs 128.6 GiB of 73.2 GiB free on NVIDIA H200"). With torch.distributed up, every rank of `group`
+    takes part (one all-gather), so that all of them skip the same configurations and none waits in a
+    collective for a rank that skipped; ranks sharing one GPU (--share-gpu) add their needs up against it."""
+    import platform
+
+    free = free_bytes(device)
+    where = (platform.node(), str(device) if device.type == "cuda" else f"cpu{os.getpid()}")
+    mine = (float(need), float("inf") if free is None else float(free), where)
+    if dist.is_available() and dist.is_initialized():
+        everyone = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, mine, group=group)
+    else:
+        everyone = [mine]
+    per_device: dict = {}
+    for n, f, key in everyone:
+        total, least = per_device.get(key, (0.0, float("inf")))
+        per_device[key] = (total + n, min(least, f))
+    need_max, free_min = max(per_device.values(), key=lambda nf: nf[0] - nf[1])
+    if need_max <= free_min:
+        return None
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "this CPU"
+    return f"not run: needs {need_max / GiB:.1f} GiB of {free_min / GiB:.1f} GiB free on {name}"
 
 
 def timing_note() -> str:
     """What a report says of its timings beside the device: empty, or that ranks shared a GPU."""
     from .. import devices
 
-    return f" ({devices.NOT_REPRESENTATIVE})" if devices.sharing() and devices.gpu_count() else ""
+    return f" ({devices.NOT_REPRESENTATIVE})" if devices.shares_gpu(devices.sharing()) else ""
 
 
 def gather_max(x: float) -> float:

@@ -79,7 +79,7 @@ def _args(argv=None):
             set_unless_given(args, given, defaults)
     except ValueError as e:                        # one line naming the flag, before any process starts
         p.error(str(e))
-    if args.decode_mode == "graph" and (args.nproc or 1) > 1 and devices.sharing(args.share_gpu):
+    if args.decode_mode == "graph" and devices.shares_gpu(devices.sharing(args.share_gpu), args.nproc or 1):
         p.error("--decode-mode graph: ranks sharing a GPU (--share-gpu) talk gloo, which a CUDA graph cannot "
                 "capture; use --decode-mode eager (the default there)")
     for name, lo in (("max_new_tokens", 1), ("batch_size", 1)):

@@ -15,18 +15,19 @@ import torch
 import torch.distributed as dist
 
 from .. import devices
+from ..comm import init_group
 from .report import write_record
 
 
-def run_rank(rank: int, world: int, args, port: int | None, target) -> None:
-    """One rank: set up the process group (torchrun's env or the spawn's), run target(args), exit non-zero on
-    error."""
+def run_rank(rank: int, world: int, args, port: int | None, target, lone: bool = False) -> None:
+    """One rank: set up the process group (torchrun's env, the launcher's store at `port` for a spawned rank, or
+    a store of its own when `lone`: one rank, no launcher), run target(args), exit non-zero on error."""
     try:
         if port is not None:
             os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         share = devices.sharing(getattr(args, "share_gpu", False))
-        if port is None:                    # torchrun / SLURM: the launcher was not ours, so check here
+        if port is None and not lone:       # torchrun / SLURM: the launcher was not ours, so check here
             devices.refuse_unshared_ranks(getattr(args, "prog", "megatron-cp-pretrain"), share)
         if getattr(args, "deterministic_mode", False):
             # cuBLAS picks its workspace (and with it the reduction order) when its handle is made: before CUDA
@@ -41,7 +42,10 @@ def run_rank(rank: int, world: int, args, port: int | None, target) -> None:
         # NCCL: a collective that outlives the timeout ends the process (torch >= 2.2's default, kept unless
         # the user chose otherwise); gloo times out each collective by itself.
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
-        dist.init_process_group(devices.backend(share), timeout=datetime.timedelta(seconds=args.dist_timeout))
+        if port is not None or lone:        # our launcher's store (or our own): no port is picked and released
+            init_group(devices.backend(share), rank, world, port, args.dist_timeout)
+        else:
+            dist.init_process_group(devices.backend(share), timeout=datetime.timedelta(seconds=args.dist_timeout))
         target(args)
         dist.destroy_process_group()
     except BaseException as e:  # noqa: BLE001 - report, then leave without waiting for peers
@@ -77,7 +81,7 @@ def launch(args, target, prog: str = "megatron-cp-pretrain") -> None:
     one (training.watchdog): a rank that fails, is killed or freezes for --dist-timeout seconds, or SIGINT /
     SIGTERM here, ends the job with one line naming the cause and no process left behind. With spawned ranks
     this process exits when they are done (status 0, or the failure's), so launch() does not return."""
-    from ..comm import free_port
+    from ..comm import serve_store
 
     args.prog = prog
     if "RANK" not in os.environ and args.nproc and args.nproc > 1:
@@ -89,12 +93,10 @@ def launch(args, target, prog: str = "megatron-cp-pretrain") -> None:
     if getattr(args, "share_gpu", False):
         devices.enable_sharing()           # the ranks (and what they start) see it too
     if "RANK" in os.environ or not args.nproc or args.nproc == 1:
+        lone = "RANK" not in os.environ          # one rank started by hand: it serves its own store
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        if "MASTER_PORT" not in os.environ:
-            os.environ["MASTER_PORT"] = str(free_port())
-        run_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args, None, target)
+        run_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args, None, target, lone=lone)
         return
     import multiprocessing
 
@@ -102,7 +104,8 @@ def launch(args, target, prog: str = "megatron-cp-pretrain") -> None:
     adopt_orphans()
     ctx = multiprocessing.get_context("spawn")
     beats = ctx.RawArray("d", args.nproc)       # lock-free shared memory: no semaphore for a tracker to own
-    port = free_port()
+    store = serve_store(args.dist_timeout)     # bound until this process exits: the ranks' rendezvous
+    port = store.port
     procs = [ctx.Process(target=_spawned_rank, args=(r, args.nproc, args, port, target, beats, os.getpid()),
                          name=f"rank{r}") for r in range(args.nproc)]
     try:

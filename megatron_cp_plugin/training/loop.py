@@ -55,7 +55,8 @@ def train(args) -> list[float]:
               f"{f'algo {cp_cfg.algo}' if args.context_parallel_size > 1 else 'local attention (CP = 1)'}, "
               f"{trainer.n_params / 1e6:.2f}M parameters, {_layout_words(args)}, "
               f"{'bf16' if args.bf16 else 'fp32'} {'GPU' if gpu else 'CPU'}"
-              f"{'; ' + devices.NOT_REPRESENTATIVE if gpu and devices.sharing() else ''}; TFLOP/s counts "
+              f"{'; ' + devices.NOT_REPRESENTATIVE if gpu and devices.shares_gpu(devices.sharing()) else ''}"
+              f"; TFLOP/s counts "
               f"{report.flops_per_iter.__doc__.split(chr(10))[0].strip()}"
               f"{' (attention: sum of squared document lengths)' if trainer.document_unit else ''}", flush=True)
     losses, saved, packed_flops = [], False, []

@@ -58,8 +58,11 @@ def start_record(args, world: int, cp_cfg, device, n_params: int, vocab: int, fl
         "algo": cp_cfg.algo, "cp_size": args.context_parallel_size, "tp_size": args.tensor_model_parallel_size,
         "dp_size": args.data_parallel_size, "world_size": world, "nodes": max(1, world // max(1, local)),
         "ranks_per_node": local, "device": device.type,
-        "gpus": 0 if device.type != "cuda" else min(world, devices.gpu_count()) if devices.sharing() else world,
-        "shared_gpu": device.type == "cuda" and devices.sharing(),     # timings then say nothing of speed
+        # What ran: distinct GPUs used (ranks beyond a node's GPUs wrap round onto them, devices.rank_device),
+        # and whether two ranks shared one (gloo then; timings say nothing of speed).
+        "gpus": 0 if device.type != "cuda" else max(1, world // max(1, local)) * min(local, devices.gpu_count()),
+        "shared_gpu": device.type == "cuda" and devices.shares_gpu(devices.sharing(), local),
+        "backend": dist.get_backend() if dist.is_initialized() else None,
         "gpu_name": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         "cp_grid": args.cp_grid, "cp_gpus_per_node": args.cp_gpus_per_node,
         "seq_length": args.seq_length, "micro_batch_size": args.micro_batch_size,
