@@ -26,23 +26,42 @@ def allgather_bytes(pb: Problem) -> tuple[int, int]:
 
 
 def heads_allow(h: int, h_kv: int, u: int) -> bool:
-    """Whether an all-to-all over u ranks can split h q heads and h_kv K, V heads (replicated when h_kv < u)."""
-    return h % u == 0 and (h_kv % u == 0 or u % h_kv == 0)
+    """Whether an all-to-all over u ranks can split h q heads (any h_kv: each member gets the K, V heads its q
+    heads read, algos/ulysses.py `kv_spans`)."""
+    return h % u == 0
 
 
-def ulysses_bytes(pb: Problem, u: int | None = None) -> tuple[int, int]:
-    """(forward, backward) bytes per rank of the head all-to-all over u ranks (None: all P, i.e. ulysses) and
-    the ring across the P / u groups: each way (u-1) b s d e (2 h / u + 2 k_u) with k_u = h_kv / u, or 1 for
-    replicated K, V heads; the ring (P/u - 1) 2 n' e forward, (P/u - 1) 2 n' (e + a) backward, with
-    n' = b u s k_u d the K, V a rank holds after the all-to-all."""
+def _kv_counts(pb: Problem, u: int) -> list[int]:
+    """k_j, the K, V heads member j of an all-to-all over u ranks gets."""
+    from .algos.ulysses import kv_spans  # noqa: PLC0415
+
+    return [hi - lo for lo, hi in kv_spans(pb.heads, pb.kv_heads, u)]
+
+
+def ulysses_bytes(pb: Problem, u: int | None = None, rank: int | None = None) -> tuple[int, int]:
+    """(forward, backward) bytes `rank` sends (None: the largest of each over the ranks) in the head all-to-all
+    over u ranks (None: all P, i.e. ulysses) and the ring across the P / u groups. Member j = rank % u of its
+    group gets k_j K, V heads (K = k_0 + .. + k_{u-1}): forward (u-1) b s d e 2 h / u + 2 b s d e (K - k_j) (Q; K, V
+    to the members that read them; O back), backward (u-1) b s d e (2 h / u + 2 k_j) (dO; dQ, dK, dV back): both
+    (u-1) b s d e (2 h / u + 2 k) where every k_j = k (h_kv / u, or 1 for replicated K, V heads). The ring
+    (P/u - 1) 2 n' e forward, (P/u - 1) 2 n' (e + a) backward, with n' = b u s k_j d the K, V a rank holds after
+    the all-to-all."""
     s, _, _, _, e, acc = _sizes(pb)
     u = pb.world if u is None else u
     if not heads_allow(pb.heads, pb.kv_heads, u):
         return 0, 0
-    k_u, b, d, g = max(pb.kv_heads // u, 1), pb.batch, pb.head_dim, pb.world // u
-    a2a = (u - 1) * b * s * d * e * (2 * pb.heads // u + 2 * k_u)
-    n_kv = b * u * s * k_u * d
-    return a2a + (g - 1) * 2 * n_kv * e, a2a + (g - 1) * 2 * n_kv * (e + acc)
+    k, b, d, g = _kv_counts(pb, u), pb.batch, pb.head_dim, pb.world // u
+    unit, q = b * s * d * e, (u - 1) * b * s * d * e * 2 * pb.heads // u
+
+    def member(j):
+        n_kv = b * u * s * k[j] * d
+        return (q + 2 * unit * (sum(k) - k[j]) + (g - 1) * 2 * n_kv * e,
+                q + (u - 1) * 2 * unit * k[j] + (g - 1) * 2 * n_kv * (e + acc))
+
+    if rank is not None:
+        return member(rank % u)                 # groups of u consecutive ranks, members in rank order
+    per = [member(j) for j in range(u)]
+    return max(f for f, _ in per), max(w for _, w in per)
 
 
 def ulysses_grid(pb: Problem) -> tuple[int, int]:
@@ -87,16 +106,18 @@ def allgather_cost(algo: str, pb: Problem, hw, rank: int | None = None) -> Predi
     return Prediction(algo, fwd, bwd, fwd_bytes, bwd_bytes, F, B)
 
 
-def _heads_cost(algo: str, pb: Problem, hw, R: int, U: int, grid) -> Prediction:
+def _heads_cost(algo: str, pb: Problem, hw, R: int, U: int, grid, rank: int | None) -> Prediction:
     P = pb.world
     if not heads_allow(pb.heads, pb.kv_heads, U):
         return _infeasible(algo, pb, grid)
     s, n_q, _, _, e, acc = _sizes(pb)
     F, B = attention_flops(pb)
-    fwd_bytes, bwd_bytes = ulysses_bytes(pb, U)
-    k_u = max(pb.kv_heads // U, 1)
+    fwd_bytes, bwd_bytes = ulysses_bytes(pb, U, rank)
+    k = _kv_counts(pb, U)
+    k_u = max(k)                                                            # the ring's largest K, V
     q_chunk = (U - 1) * pb.batch * s * pb.head_dim * e * pb.heads // U       # Q (or O, dO, dQ) one way
-    kv_chunk = (U - 1) * pb.batch * s * pb.head_dim * e * 2 * k_u           # K, V (or dK, dV)
+    # K, V (or dK, dV): the busiest member's, sent or received (K - k_j out and (U - 1) k_j in, or the reverse)
+    kv_chunk = pb.batch * s * pb.head_dim * e * 2 * max(max(sum(k) - x, (U - 1) * x) for x in k)
     ta = lambda n: a2a_time(n, U, hw)  # noqa: E731
     if R == 1:
         fwd = ta(q_chunk + kv_chunk) + F / hw.fwd_tflops + ta(q_chunk)
@@ -120,10 +141,10 @@ def _heads_cost(algo: str, pb: Problem, hw, R: int, U: int, grid) -> Prediction:
 
 def ulysses_cost(algo: str, pb: Problem, hw, rank: int | None = None) -> Prediction:
     """Two all-to-alls each way around one local attention over the whole sequence (h / P heads)."""
-    return _heads_cost(algo, pb, hw, 1, pb.world, None)
+    return _heads_cost(algo, pb, hw, 1, pb.world, None, rank)
 
 
 def ulysses_ring_cost(algo: str, pb: Problem, hw, rank: int | None = None) -> Prediction:
     """The all-to-alls inside grid rows of U consecutive ranks, ring.py's ring over the R rows between them."""
     R, U = ulysses_grid(pb)
-    return _heads_cost(algo, pb, hw, R, U, (R, U))
+    return _heads_cost(algo, pb, hw, R, U, (R, U), rank)

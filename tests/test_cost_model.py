@@ -51,14 +51,16 @@ def _model(world, case, rank):
 
 
 # (P, cases): MHA and GQA, bf16 / fp32 / fp64 (fp64 accumulators), causal or not, batch and head dims, square
-# and rectangular grids both ways, column-major (K, V permuted) and node-aware row-major placement.
+# and rectangular grids both ways, column-major (K, V permuted) and node-aware row-major placement; ulysses with
+# K, V groups straddling two members (6 / 3 heads over 2: 2 K, V heads each) and member counts that differ (12 / 3
+# over 4: 1, 2, 2, 1, so each rank sends its own count).
 BYTE_CASES = {
     2: [("ring", None, 2, 4, 4, 8, 1, 6, True), ("burst", None, 4, 8, 2, 16, 2, 4, False),
         ("burst", None, 8, 4, 1, 8, 1, 2, True), ("attention2d-no", None, 2, 4, 4, 8, 1, 6, True),
         ("attention2d-o", (2, 1, None), 4, 8, 2, 8, 2, 3, True),
         ("attention2d-no", (1, 2, 2), 8, 4, 2, 8, 1, 4, False),
         ("allgather", None, 8, 4, 2, 8, 1, 4, True), ("ulysses", None, 4, 4, 1, 8, 2, 2, False),
-        ("ulysses-ring", (2, 1, None), 2, 4, 2, 8, 1, 4, True)],
+        ("ulysses-ring", (2, 1, None), 2, 4, 2, 8, 1, 4, True), ("ulysses", None, 2, 6, 3, 8, 2, 2, True)],
     4: [("ring", None, 4, 8, 2, 8, 2, 4, True), ("burst", None, 2, 4, 4, 16, 1, 6, True),
         ("attention2d-no", (2, 2, None), 2, 8, 2, 8, 1, 5, True),
         ("attention2d-o", (2, 2, None), 4, 4, 4, 8, 2, 3, False),
@@ -66,7 +68,8 @@ BYTE_CASES = {
         ("attention2d-o", (1, 4, None), 4, 4, 1, 8, 1, 3, True),
         ("attention2d-no", (4, 1, None), 8, 8, 2, 8, 1, 2, True),
         ("allgather", None, 2, 8, 2, 16, 2, 4, False), ("ulysses", None, 4, 8, 2, 8, 1, 4, True),
-        ("ulysses-ring", (2, 2, None), 8, 4, 2, 8, 1, 4, True), ("ulysses-ring", None, 2, 8, 8, 8, 2, 2, False)],
+        ("ulysses-ring", (2, 2, None), 8, 4, 2, 8, 1, 4, True), ("ulysses-ring", None, 2, 8, 8, 8, 2, 2, False),
+        ("ulysses", None, 4, 12, 3, 8, 1, 4, False), ("ulysses-ring", (2, 2, None), 2, 6, 3, 8, 2, 2, True)],
 }
 
 
@@ -83,6 +86,10 @@ def test_model_bytes_equal_comm_stats(pools, world):
         perm = [got[2][0] for got in counted]
         assert perm[1] == perm[2] > perm[0] == perm[3]
         assert len({got[4][0] for got in counted}) == 1
+        # ulysses 12 / 3 over 4: the members with 2 K, V heads receive more of them, so send fewer (forward) and
+        # return more dK, dV partials (backward) than those with 1.
+        fwd, bwd = zip(*(got[12] for got in counted))
+        assert fwd[0] == fwd[3] > fwd[1] == fwd[2] and bwd[0] == bwd[3] < bwd[1] == bwd[2]
 
 
 def _decode_counted(rank, world, cases):

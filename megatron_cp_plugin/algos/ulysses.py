@@ -12,21 +12,33 @@ are the ring's, and so that `ulysses_ring.py` can run the ring over groups of ra
 of consecutive zigzag ranks holds two zigzag chunks of the group-level sequence). The gathered rows are put in
 the order the attention wants by one index, built once per shape (`_order`).
 
-Heads. h % P == 0 is required. GQA: with h_kv % P == 0 each rank gets h_kv / P K, V heads, exactly those its
-queries read; with h_kv < P (P % h_kv == 0) each K, V head serves P / h_kv ranks and is sent to each of them
-(replicated only as far as needed: one K, V head per rank), and the dK, dV of a replicated head come back from
-those ranks and are summed in fp32 at the owner, each partial rounded once to the input dtype (docs/design.md,
-wire precision, rule 2). Anything else is a one-line ValueError before any collective (`check_heads`).
+Heads. h % P == 0 is all that is required. Member u gets q heads u h/P .. (u + 1) h/P - 1 and exactly the K, V
+heads those read (q head i reads K, V head i // g, g = h / h_kv): heads lo_u .. hi_u - 1, k_u = hi_u - lo_u of them
+(`kv_spans`). With h_kv % P == 0 that is h_kv / P heads, each sent to one member; with P % h_kv == 0 one head,
+replicated to the P / h_kv members whose queries read it; otherwise a K, V group that straddles two members goes
+to both (h = 6, h_kv = 3, P = 2: member 0 reads {0, 1}, member 1 {1, 2}), and k_u may differ between members
+(h = 12, h_kv = 4, P = 6: 1, 2, 1, 1, 2, 1), sent with unequal splits (comm.all_to_all), not padded to the
+largest, which would send bytes for nothing. The dK, dV partials of a head read by several members come back from
+each, rounded once to the input dtype, and are summed in fp32 at the owner, in member order (docs/design.md, wire
+precision, rule 2). The kernels take uniform GQA (q head i of a call reads its K, V head i // group), so where a
+member's q heads per K, V head vary (a partial group at either end) its heads are cut into at most three segments
+of uniform group, each its own kernel call (ulysses-ring: its own ring pass), `head_segments`: the bytes and
+flops of one call, in more launches (the ring: more, smaller messages). Expanding K, V to uniform groups instead
+would raise ulysses-ring's ring bytes (h = 6, h_kv = 3, U = 2: 3 K, V heads per rank instead of 2), and padding the
+q heads to a uniform group the flops (h = 12, h_kv = 4, P = 3: 6 q slots for 4 heads). h % P != 0 is a one-line
+ValueError before any collective (`check_heads`).
 
 Design notes (looked up, not copied): TransformerEngine's `cp_comm_type=a2a` (`AttnFuncWithCPAndQKVOA2A`) and
 yunchang's Ulysses attention exchange each of Q, K, V in its own all-to-all and need the KV heads divisible by
-the group; here Q, K, V share one all-to-all (comm.all_to_all packs them), as do dQ, dK, dV, and fewer KV heads
-than ranks are replicated rather than refused.
+the group; here Q, K, V share one all-to-all (comm.all_to_all packs them), as do dQ, dK, dV, and K, V heads the
+group cannot split are sent to the members that read them rather than refused.
 
-Bytes sent per rank and call (e = element size; s = s_local; k_P = h_kv / P, or 1 when h_kv < P; what an
-all-to-all over g ranks sends: g - 1 chunks):
-  forward  (P - 1) * b * s * d * e * (2 h / P + 2 k_P)     (Q, K, V in; O back)
-  backward (P - 1) * b * s * d * e * (2 h / P + 2 k_P)     (dO in; dQ, dK, dV back)
+Bytes sent by member u per call (e = element size; s = s_local; k_u its K, V heads, K = k_0 + .. + k_{P-1}; an
+all-to-all over g ranks sends g - 1 chunks, here of unequal K, V sizes):
+  forward  (P - 1) * b * s * d * e * 2 h / P + 2 * b * s * d * e * (K - k_u)     (Q, K, V in; O back)
+  backward (P - 1) * b * s * d * e * (2 h / P + 2 k_u)                           (dO in; dQ, dK, dV back)
+When every k_u = k (h_kv % P == 0: k = h_kv / P; P % h_kv == 0: k = 1; h = 6, h_kv = 3, P = 2: k = 2) both are
+(P - 1) * b * s * d * e * (2 h / P + 2 k) at every member; the mean over members is that with k = K / P always.
 """
 from __future__ import annotations
 
@@ -44,16 +56,39 @@ from ._packing import Packing, _zigzag_order
 from . import ring as _ring
 
 
-def check_heads(algo: str, h: int, h_kv: int, size: int) -> int:
-    """ValueError naming the heads unless an all-to-all over `size` ranks can split them; else the K, V heads
-    each rank gets (h_kv / size, or 1 when the K, V heads are replicated)."""
+def check_heads(algo: str, h: int, h_kv: int, size: int) -> None:
+    """ValueError naming the heads unless an all-to-all over `size` ranks can split the q heads (h % size == 0);
+    any K, V heads then can (h % h_kv == 0 is checked with the shapes): each member gets those its queries read."""
     if h % size:
         raise ValueError(f"heads: algo={algo!r} splits the q heads over its all-to-all of {size} ranks, but "
                          f"{h} q heads are not divisible by {size}")
-    if h_kv % size and size % h_kv:
-        raise ValueError(f"heads: algo={algo!r} needs k, v heads ({h_kv}) divisible by its all-to-all size {size} "
-                         f"or dividing it (replicated)")
-    return max(h_kv // size, 1)
+
+
+@functools.lru_cache(maxsize=256)
+def kv_spans(h: int, h_kv: int, size: int) -> tuple[tuple[int, int], ...]:
+    """(lo, hi) for each member u: the K, V heads lo .. hi - 1 its q heads u h/size .. (u + 1) h/size - 1 read
+    (q head i reads K, V head i // (h / h_kv)). Consecutive members' spans overlap in at most one head."""
+    hu, g = h // size, h // h_kv
+    return tuple((u * hu // g, ((u + 1) * hu - 1) // g + 1) for u in range(size))
+
+
+@functools.lru_cache(maxsize=256)
+def head_segments(h: int, h_kv: int, size: int, me: int) -> tuple[tuple[int, int, int, int], ...]:
+    """Member me's heads cut into uniform GQA blocks for the kernels: (q0, q1, k0, k1), indices into its own
+    q heads and its K, V heads (kv_spans), q1 - q0 a multiple of k1 - k0. One block when every K, V head it reads
+    serves the same number of its q heads (h_kv % size == 0, size % h_kv == 0, or aligned groups), else at most
+    three: a partial group at either end, the whole groups between."""
+    hu, g = h // size, h // h_kv
+    a = me * hu
+    lo, hi = kv_spans(h, h_kv, size)[me]
+    segs = []
+    for j in range(lo, hi):
+        q0, q1 = max(a, j * g) - a, min(a + hu, (j + 1) * g) - a          # its q heads that read K, V head j
+        if segs and segs[-1][4] == q1 - q0:
+            segs[-1][1], segs[-1][3] = q1, j - lo + 1
+        else:
+            segs.append([q0, q1, j - lo, j - lo + 1, q1 - q0])
+    return tuple(tuple(x[:4]) for x in segs)
 
 
 @dataclass(frozen=True)
@@ -71,7 +106,7 @@ class HeadsPlan:
     world: int
     """P, the CP group size."""
     h_kv: int
-    """K, V heads of the call (a replicated head's gradients are summed back)."""
+    """K, V heads of the call (the gradients of a head several members read are summed back at its owner)."""
     ring: object = None
     """Process group of the ring across the P / U groups (None: no ring)."""
     groups: int = 1
@@ -113,81 +148,132 @@ def _on(x, device):
     return to_device(x, device)
 
 
-def kv_head_index(h_kv: int, size: int) -> torch.Tensor | None:
-    """The K, V heads sent to each member in turn (member u gets entries u * k .. (u + 1) * k - 1); None when
-    that is every head once, in order (h_kv % size == 0)."""
-    if h_kv % size == 0:
-        return None
-    return torch.arange(size) // (size // h_kv)                 # member u reads K, V head u // (size / h_kv)
+def _kv_split(spans, size: int):
+    """How K, V heads with these spans travel: ("even", None) every head to one member, in order; ("index", heads)
+    equal counts, heads[u k .. (u + 1) k - 1] to member u (one index_select, equal chunks); ("uneven", None) member
+    counts differ: one slice per member, unequal chunks."""
+    widths = {hi - lo for lo, hi in spans}
+    if len(widths) > 1:
+        return "uneven", None
+    w = widths.pop()
+    if spans == tuple((u * w, (u + 1) * w) for u in range(size)):
+        return "even", None
+    return "index", torch.cat([torch.arange(lo, hi) for lo, hi in spans])
 
 
 def to_heads(plan: HeadsPlan, xs, idx, stats, phase):
-    """[(x [b, s, H, d], head index or None)] -> [x' [b, U s, H' / U, d]]: all tokens of the group, this rank's
-    heads, rows in the attention's order; one all-to-all for all of them."""
+    """[(x [b, s, H, d], K, V spans or None)] -> [x' [b, U s, H', d]]: all tokens of the group and this member's
+    heads (None: H / U of them, in member order; spans: kv_spans[me]), rows in the attention's order; one all-to-all
+    for all of them."""
     U = plan.size
-    send = []
-    for x, heads in xs:
+    send, recv = [], []
+    for x, spans in xs:
+        b, s, H, d = x.shape
+        how, heads = _kv_split(spans, U) if spans is not None else ("even", None)
+        if how == "uneven":
+            send.append([x[:, :, lo:hi] for lo, hi in spans])
+            n = spans[plan.me][1] - spans[plan.me][0]
+            recv.append([(b, s, n, d)] * U)
+            continue
         if heads is not None:
             x = x.index_select(2, heads.to(x.device))
-        b, s, H, d = x.shape
+            H = x.shape[2]
         send.append(x.reshape(b, s, U, H // U, d).permute(2, 0, 1, 3, 4))          # [U, b, s, H / U, d]
+        recv.append(None)
     out = []
-    for r in all_to_all(plan.a2a, send, stats, phase):
+    for r in all_to_all(plan.a2a, send, stats, phase, recv if any(recv) else None):
+        r = torch.stack(r) if isinstance(r, list) else r
         _, b, s, hh, d = r.shape
         out.append(r.transpose(0, 1).reshape(b, U * s, hh, d).index_select(1, idx))
     return out
 
 
 def to_sequence(plan: HeadsPlan, xs, inv, stats, phase):
-    """The inverse of `to_heads`: [x' [b, U s, hh, d]] -> [x [b, s, U hh, d]] (heads in member order)."""
+    """The inverse of `to_heads`: [(x' [b, U s, hh, d], spans or None)] -> [x [b, s, H, d]]: None, the members'
+    heads side by side (H = U hh); spans, each K, V head's partials from the members that read it (kv_spans)
+    summed in fp32 at the owner."""
     U = plan.size
-    send = []
-    for x in xs:
+    send, recv, hows = [], [], []
+    for x, spans in xs:
         b, n, hh, d = x.shape
         send.append(x.index_select(1, inv).view(b, U, n // U, hh, d).transpose(0, 1))
-    return [r.permute(1, 2, 0, 3, 4).reshape(r.shape[1], r.shape[2], U * r.shape[3], r.shape[4])
-            for r in all_to_all(plan.a2a, send, stats, phase)]
+        how = _kv_split(spans, U)[0] if spans is not None else "even"
+        recv.append([(b, n // U, hi - lo, d) for lo, hi in spans] if how == "uneven" else None)
+        hows.append(how)
+    out = []
+    for r, (_, spans), how in zip(all_to_all(plan.a2a, send, stats, phase, recv if any(recv) else None), xs, hows):
+        if isinstance(r, list):
+            r = torch.cat(r, 2)                                     # [b, s, k_0 + .. + k_{U-1}, d]
+        else:
+            r = r.permute(1, 2, 0, 3, 4).reshape(r.shape[1], r.shape[2], U * r.shape[3], r.shape[4])
+        out.append(r if how == "even" else _sum_at_owner(r, spans))
+    return out
+
+
+def _sum_at_owner(dkv, spans):
+    """dK or dV [b, s, k_0 + .. + k_{U-1}, d], the members' partials side by side (member u's for its heads
+    spans[u]) -> [b, s, h_kv, d]: every head the fp32 sum of its partials, added in member order (deterministic,
+    unlike an index_add with repeated indices on GPUs), rounded once."""
+    acc = torch.zeros(dkv.shape[:2] + (spans[-1][1], dkv.shape[3]), dtype=acc_dtype(dkv.dtype), device=dkv.device)
+    at = 0
+    for lo, hi in spans:
+        acc[:, :, lo:hi] += dkv[:, :, at:at + hi - lo]
+        at += hi - lo
+    return acc.to(dkv.dtype)
+
+
+def _per_segment(segs, fn, args, dims):
+    """fn(*args) on each uniform-GQA segment of this member's heads (head_segments), results concatenated along
+    `dims`; args: (tensor, where) with where "q" (q heads on dim 2), "kv" (K, V heads on dim 2) or "lse" (q heads
+    on dim 1). One segment (every case but a partial group at either end): fn on the whole tensors, no copies."""
+    if len(segs) == 1:
+        return fn(*(x for x, _ in args))
+    cut = {"q": lambda x, s: x[:, :, s[0]:s[1]], "kv": lambda x, s: x[:, :, s[2]:s[3]],
+           "lse": lambda x, s: x[:, s[0]:s[1]]}
+    outs = [fn(*(cut[w](x, s) for x, w in args)) for s in segs]
+    return tuple(torch.cat(parts, d) for parts, d in zip(zip(*outs), dims))
 
 
 def _forward(plan: HeadsPlan, q, k, v, *, causal, scale, backend, stats=None, packing=None):
     idx, inv = plan.order(q.shape[1], packing, causal, q.device)
-    heads = kv_head_index(k.shape[2], plan.size)
-    q_h, k_h, v_h = to_heads(plan, [(q, None), (k, heads), (v, heads)], idx, stats, "forward")
-    if plan.ring is None:                       # all of the sequence here, in token order: one local call
-        seg = Segments(packing.offsets) if packing is not None else None
-        o_h, lse = block_fwd(q_h, k_h, v_h, mask="causal" if causal else "none", scale=scale, backend=backend,
+    spans = kv_spans(q.shape[2], k.shape[2], plan.size)
+    q_h, k_h, v_h = to_heads(plan, [(q, None), (k, spans), (v, spans)], idx, stats, "forward")
+
+    def attend(q_h, k_h, v_h):
+        if plan.ring is None:                   # all of the sequence here, in token order: one local call
+            seg = Segments(packing.offsets) if packing is not None else None
+            return block_fwd(q_h, k_h, v_h, mask="causal" if causal else "none", scale=scale, backend=backend,
                              cu_seqlens_q=seg)
-    else:                                       # ulysses-ring: the zigzag ring across the groups
-        o_h, lse = _ring.ring_forward(plan.ring, q_h, k_h, v_h, causal=causal, scale=scale, backend=backend,
-                                      stats=stats, packing=plan.ring_packing(packing))
-    (o,) = to_sequence(plan, [o_h], inv, stats, "forward")
+        # ulysses-ring: the zigzag ring across the groups
+        return _ring.ring_forward(plan.ring, q_h, k_h, v_h, causal=causal, scale=scale, backend=backend,
+                                  stats=stats, packing=plan.ring_packing(packing))
+
+    segs = head_segments(q.shape[2], k.shape[2], plan.size, plan.me)
+    o_h, lse = _per_segment(segs, attend, [(q_h, "q"), (k_h, "kv"), (v_h, "kv")], (2, 1))
+    (o,) = to_sequence(plan, [(o_h, None)], inv, stats, "forward")
     return o, (q_h, k_h, v_h, o_h, lse)
 
 
 def _backward(plan: HeadsPlan, do, q_h, k_h, v_h, o_h, lse, *, causal, scale, backend, stats=None, packing=None):
     idx, inv = plan.order(do.shape[1], packing, causal, do.device)
     (do_h,) = to_heads(plan, [(do, None)], idx, stats, "backward")
-    if plan.ring is None:
-        seg = Segments(packing.offsets) if packing is not None else None
-        grads = block_bwd(do_h, q_h, k_h, v_h, o_h, lse, mask="causal" if causal else "none", scale=scale,
-                          backend=backend, cu_seqlens_q=seg)
-    else:
-        grads = _ring._backward(plan.ring, do_h, q_h, k_h, v_h, o_h, lse, causal=causal, scale=scale,
-                                backend=backend, stats=stats, packing=plan.ring_packing(packing))
-    # Rounded to the input dtype once, here; dQ, dK, dV of a head come from one rank, except a replicated K, V
-    # head's, whose partials are summed in fp32 at the owner.
-    dq, dk, dv = to_sequence(plan, [g.to(do.dtype) for g in grads], inv, stats, "backward")
-    heads = kv_head_index(plan.h_kv, plan.size)
-    if heads is not None:
-        dk, dv = (_sum_replicated(x, plan.h_kv, heads) for x in (dk, dv))
-    return dq, dk, dv
 
+    def grads(do_h, q_h, k_h, v_h, o_h, lse):
+        if plan.ring is None:
+            seg = Segments(packing.offsets) if packing is not None else None
+            return block_bwd(do_h, q_h, k_h, v_h, o_h, lse, mask="causal" if causal else "none", scale=scale,
+                             backend=backend, cu_seqlens_q=seg)
+        return _ring._backward(plan.ring, do_h, q_h, k_h, v_h, o_h, lse, causal=causal, scale=scale,
+                               backend=backend, stats=stats, packing=plan.ring_packing(packing))
 
-def _sum_replicated(dkv, h_kv: int, heads: torch.Tensor):
-    """dK or dV [b, s, U, d] of replicated heads (entry u: head heads[u]) -> [b, s, h_kv, d], summed in fp32."""
-    acc = acc_dtype(dkv.dtype)
-    out = torch.zeros(dkv.shape[:2] + (h_kv, dkv.shape[3]), dtype=acc, device=dkv.device)
-    return out.index_add_(2, heads.to(dkv.device), dkv.to(acc)).to(dkv.dtype)
+    segs = head_segments(do.shape[2], plan.h_kv, plan.size, plan.me)
+    dq, dk, dv = _per_segment(segs, grads, [(do_h, "q"), (q_h, "q"), (k_h, "kv"), (v_h, "kv"), (o_h, "q"),
+                                            (lse, "lse")], (2, 2, 2))
+    # Rounded to the input dtype once, here; dQ of a head comes from one member, dK, dV of a K, V head from
+    # every member that reads it, summed in fp32 at the owner.
+    spans = kv_spans(do.shape[2], plan.h_kv, plan.size)
+    return to_sequence(plan, [(dq.to(do.dtype), None), (dk.to(do.dtype), spans), (dv.to(do.dtype), spans)], inv,
+                       stats, "backward")
 
 
 def run_heads(plan: HeadsPlan, q, k, v, causal, softmax_scale, backend, comm_stats, packing):
@@ -199,7 +285,7 @@ def run_heads(plan: HeadsPlan, q, k, v, causal, softmax_scale, backend, comm_sta
 def ulysses_attention(q, k, v, *, group, causal: bool = True, softmax_scale: float, backend: str | None = None,
                       comm_stats: CommStats | None = None, packing=None):
     """DeepSpeed-Ulysses on validated zigzag shards: q [b, s, h, d], k, v [b, s, h_kv, d] -> [b, s, h, d]; the
-    all-to-all spans the whole group (h % P == 0; h_kv % P == 0 or P % h_kv == 0, else ValueError)."""
+    all-to-all spans the whole group (h % P == 0, else ValueError; any h_kv dividing h)."""
     P, r = dist.get_world_size(group), dist.get_rank(group)
     check_heads("ulysses", q.shape[2], k.shape[2], P)             # before any collective
     plan = HeadsPlan(group if P > 1 else None, P, r, tuple(range(P)), P, k.shape[2])

@@ -9,8 +9,11 @@ tensors. Tokens are zigzag over the P ranks, so group g (ranks gU .. gU + U - 1)
 their mirrors: super-chunks g and 2R-1-g of the sequence cut into 2R, which after the all-to-all is a zigzag shard
 of the group-level sequence, exactly what the ring balances. U = P is Ulysses, U = 1 the ring (with the heads
 not split). The grid's placement is not used: the groups are always consecutive ranks (the row-major grid of
-the same shape); a plain group gets `default_grid`'s shape. The heads must allow an all-to-all over U ranks
-(`ulysses.check_heads`: h % U == 0; h_kv % U == 0 or U % h_kv == 0), else a ValueError before any collective.
+the same shape); a plain group gets `default_grid`'s shape. The q heads must allow an all-to-all over U ranks
+(`ulysses.check_heads`: h % U == 0), else a ValueError before any collective; each member gets the K, V heads its
+q heads read (any h_kv: `ulysses.kv_spans`), so members j of all groups, the ranks of one ring, hold the same
+number, and where its q heads per K, V head vary the ring runs once per uniform segment (`ulysses.head_segments`:
+each K, V head still travels the ring once).
 Packed sequences: the group-level rows are the zigzag shard of every document over the R groups (in
 `Packing.zigzag_order` when causal), as the ring takes them.
 
@@ -18,9 +21,12 @@ Design notes (looked up, not copied): yunchang's `LongContextAttention` (USP) an
 (`--hierarchical-context-parallel-sizes`) put the all-to-all inside and the ring across, as here; LoongTrain's
 double ring is not used (one ring across the groups).
 
-Bytes sent per rank and call (e, s = s_local, k_U = h_kv / U or 1, n' = b * U * s * k_U * d, acc = 4; 8 fp64):
-  forward  (U - 1) * b * s * d * e * (2 h / U + 2 k_U) + (R - 1) * 2 * n' * e
-  backward (U - 1) * b * s * d * e * (2 h / U + 2 k_U) + (R - 1) * 2 * n' * (e + acc)
+Bytes sent per rank and call (e, s = s_local; k_j the K, V heads of its member index j in the group and
+K = k_0 + .. + k_{U-1}, as in `ulysses.py`; n' = b * U * s * k_j * d, acc = 4; 8 fp64):
+  forward  (U - 1) * b * s * d * e * 2 h / U + 2 * b * s * d * e * (K - k_j) + (R - 1) * 2 * n' * e
+  backward (U - 1) * b * s * d * e * (2 h / U + 2 k_j) + (R - 1) * 2 * n' * (e + acc)
+(with every k_j = k, h_kv / U or 1 where U divides h_kv or h_kv divides U, the all-to-all terms are both
+(U - 1) * b * s * d * e * (2 h / U + 2 k)).
 """
 from __future__ import annotations
 
@@ -33,7 +39,7 @@ MAX_ULYSSES = 8
 
 
 def _heads_allow(h: int, h_kv: int, u: int) -> bool:
-    return h % u == 0 and (h_kv % u == 0 or u % h_kv == 0)
+    return h % u == 0                                  # any h_kv: ulysses.kv_spans
 
 
 def default_grid(world: int, h: int, h_kv: int) -> tuple[int, int]:
