@@ -5,7 +5,10 @@ their final checkpoints (every model, Adam and main-parameter tensor, the schedu
 identical, bit for bit."""
 from __future__ import annotations
 
+import dataclasses
+import io
 import json
+import pickle
 import shutil
 import subprocess
 import sys
@@ -153,13 +156,83 @@ def test_damaged_checkpoint_names_the_file(small_checkpoint, tmp_path, name, how
     assert str(file) in msg and needle in msg and "\n" not in msg, msg
 
 
+def _index(it):
+    """The checkpoint's own (intact) .metadata, unpickled: the test wrote it."""
+    with open(it / ".metadata", "rb") as f:
+        return pickle.load(f)
+
+
+def _pickled_values(md):
+    """{MetadataIndex: _StorageInfo} of the non-tensor values (torch.save blobs) in the .distcp files."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+    return {i: s for i, s in md.storage_data.items() if isinstance(md.state_dict_metadata[i.fqn], BytesStorageMetadata)}
+
+
 def test_garbage_data_file_of_the_right_size_fails_in_one_line(small_checkpoint, tmp_path):
     ckpt = tmp_path / "ckpt"
     shutil.copytree(small_checkpoint, ckpt)
     data = ckpt / "iter_0000001" / "__0_0.distcp"
-    data.write_bytes(b"\x07" * data.stat().st_size)             # passes the size check, fails to unpickle
+    md = _index(ckpt / "iter_0000001")
+    raw = bytearray(data.read_bytes())           # its tensors' bytes, not its pickled values (checked at start-up)
+    for i, info in md.storage_data.items():
+        if info.relative_path == data.name and i not in _pickled_values(md):
+            raw[info.offset:info.offset + info.length] = b"\x07" * info.length
+    data.write_bytes(bytes(raw))                                # passes the size check, fails to unpickle
     r = subprocess.run([*SMALL, "--train-iters", "2", "--load", str(ckpt)], capture_output=True, text=True,
                        timeout=300)
     assert r.returncode != 0
     assert f"ValueError: checkpoint {ckpt / 'iter_0000001'}: a .distcp data file is damaged" in r.stderr, \
         r.stderr[-3000:]
+
+
+class _RunsCode:
+    """Unpickling it calls exec(), which creates `marker`: what a crafted checkpoint does to run anything."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return exec, (f"open({self.marker!r}, 'w').close()",)
+
+
+def _plant(it, where, marker):
+    """Make one pickle of the checkpoint directory `it` one whose unpickling would create `marker`; its path."""
+    if where == "common.pt":
+        torch.save({"iteration": 1, "payload": _RunsCode(marker)}, it / "common.pt")
+        return it / "common.pt"
+    md = _index(it)
+    if where == ".metadata":
+        md.planner_data = _RunsCode(marker)
+        file = it / ".metadata"
+    else:                   # a pickled value in a .distcp file (rng_state's, read by every rank): appended there
+        values = _pickled_values(md)
+        i = min(values, key=lambda i: not i.fqn.startswith("rng_state"))
+        file = it / values[i].relative_path
+        blob = io.BytesIO()
+        torch.save(_RunsCode(marker), blob)
+        md.storage_data[i] = dataclasses.replace(values[i], offset=file.stat().st_size, length=len(blob.getvalue()))
+        with open(file, "ab") as f:
+            f.write(blob.getvalue())
+    with open(it / ".metadata", "wb") as f:
+        pickle.dump(md, f)
+    return file
+
+
+@pytest.mark.parametrize("where", ["common.pt", ".metadata", "distcp-value"])
+def test_load_refuses_a_pickle_that_would_run_code_before_anything_runs_it(small_checkpoint, tmp_path, where):
+    ckpt, marker = tmp_path / "ckpt", tmp_path / "code-ran"
+    shutil.copytree(small_checkpoint, ckpt)
+    file = _plant(ckpt / "iter_0000001", where, marker)
+    r = subprocess.run([*SMALL, "--train-iters", "2", "--load", str(ckpt)], capture_output=True, text=True,
+                       timeout=300)
+    assert not marker.exists(), f"the checkpoint's code ran: {r.stderr[-3000:]}"
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and "iter " not in r.stdout, r.stderr[-3000:]
+    assert lines[0].startswith(f"megatron-cp-pretrain: error: checkpoint file {file}"), lines[0]
+    assert "refused: its pickle would call" in lines[0] and "exec" in lines[0], lines[0]
+
+    # megatron-cp-generate --load checks the same files before megatron-core or torch reads them
+    from megatron_cp_plugin.inference.checkpoint import checkpoint_path
+    with pytest.raises(ValueError, match="refused: its pickle would call"):
+        checkpoint_path(str(ckpt))
+    assert not marker.exists()

@@ -25,13 +25,20 @@ _EMB = "model.embedding.word_embeddings.weight"
 
 
 def checkpoint_path(load: str) -> str:
-    """The iteration directory `--load` points at (latest_checkpointed_iteration.txt)."""
+    """The iteration directory `--load` points at (latest_checkpointed_iteration.txt), after the trainer's file
+    checks (training/checkpoint.py check_files): every file there, and every pickle in it (.metadata, common.pt,
+    the .distcp files' non-tensor values) readable by a restricted unpickler, before megatron-core or torch
+    unpickles any of them."""
+    from ..training.checkpoint import check_files
+
     tracker = os.path.join(load, "latest_checkpointed_iteration.txt")
     if not os.path.exists(tracker):
         raise ValueError(f"--load {load}: no latest_checkpointed_iteration.txt there (not a megatron-cp-pretrain "
                          "checkpoint)")
     with open(tracker) as f:
-        return os.path.join(load, f"iter_{int(f.read().strip()):07d}")
+        path = os.path.join(load, f"iter_{int(f.read().strip()):07d}")
+    check_files(path)
+    return path
 
 
 def checkpoint_format(path: str) -> str:
@@ -45,8 +52,8 @@ def checkpoint_format(path: str) -> str:
 
 
 def _fsdp_keys(path: str) -> dict:
-    from torch.distributed.checkpoint import FileSystemReader
-    return FileSystemReader(path).read_metadata().state_dict_metadata
+    from ..training.pickles import read_index
+    return read_index(path).state_dict_metadata        # not pickle.load (FileSystemReader.read_metadata)
 
 
 def _dcp_load(state: dict, path: str) -> None:

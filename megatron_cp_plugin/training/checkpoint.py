@@ -12,11 +12,18 @@ Megatron-LM writes them:
   state supports.
 Loading is strict: every model tensor must be in the checkpoint and nothing else, and the optimizer's state
 is built with `is_loading=True` so that it is restored, not re-initialised.
+
+Pickles: the checkpoint's `.metadata` index, its `common.pt` and the non-tensor values inside the `.distcp` files
+are pickles, and torch's DCP reader unpickles the index and those values without restriction (pickle.load,
+torch.load(weights_only=False)). check_files reads each of them first with a restricted unpickler and refuses
+any that names a type outside what our checkpoints hold, so a crafted file is refused before anything unpickles
+it (docs/training.md, "Checkpoint files and trust").
 """
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 
 import numpy as np
@@ -24,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from .config import sharding_strategy
+from .pickles import COMMON_GLOBALS, check_pickled_values, check_torch_save, read_index
 
 TRACKER = "latest_checkpointed_iteration.txt"
 INFO = "megatron_cp_plugin.json"
@@ -215,21 +223,14 @@ def _read_json(path: str) -> dict:
 
 def check_files(path: str) -> None:
     """Files only, before any collective: every file a checkpoint directory's index names is there, readable and
-    long enough; ValueError naming the file and what is wrong (a truncated copy, a garbage file) otherwise."""
-    from torch.distributed.checkpoint import FileSystemReader
-
+    long enough, and every pickle in it (the .metadata index, common.pt, the non-tensor values in the .distcp files)
+    builds only the types our checkpoints hold; ValueError naming the file and what is wrong (a truncated copy, a
+    garbage file, a pickle that would call something else) otherwise."""
     if os.path.exists(os.path.join(path, "metadata.json")):
         _read_json(os.path.join(path, "metadata.json"))          # dist_checkpointing's format description
-    index = os.path.join(path, ".metadata")
-    if not os.path.isfile(index):
-        raise ValueError(f"checkpoint {path}: its index file .metadata is missing (an incomplete checkpoint)")
-    try:
-        storage = FileSystemReader(path).read_metadata().storage_data
-    except Exception as e:  # noqa: BLE001 - pickle/EOF/OS errors of a damaged file all mean the same here
-        raise ValueError(f"checkpoint file {index}: unreadable ({type(e).__name__}: {str(e)[:80]}): truncated or "
-                         "not a torch.distributed.checkpoint index") from None
+    metadata = read_index(path)
     need: dict[str, int] = {}
-    for info in storage.values():                 # the bytes each data file must hold
+    for info in metadata.storage_data.values():   # the bytes each data file must hold
         need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
     for name, size in sorted(need.items()):
         file = os.path.join(path, name)
@@ -238,20 +239,16 @@ def check_files(path: str) -> None:
         have = os.path.getsize(file)
         if have < size:
             raise ValueError(f"checkpoint file {file}: truncated: {have} bytes, the index .metadata needs {size}")
+    check_pickled_values(path, metadata)
     common = os.path.join(path, "common.pt")
-    if os.path.exists(common):
-        try:
-            torch.load(common, map_location="cpu", weights_only=False)   # small: the schedule, iteration, args
-        except Exception as e:  # noqa: BLE001
-            raise ValueError(f"checkpoint file {common}: unreadable ({type(e).__name__}: {str(e)[:80]}): "
-                             "truncated or not a torch.save file") from None
+    if os.path.exists(common):                  # megatron-core < 0.19 (and its legacy layout): the common state
+        with open(common, "rb") as f:
+            check_torch_save(f, common, COMMON_GLOBALS, "tensors, numbers, strings and containers")
 
 
 def _read(load, path: str):
     """load(), with a damaged data file (right size, wrong bytes: check_files cannot see it) reported in one line
     naming the checkpoint rather than as a deep traceback."""
-    import pickle
-
     from torch.distributed.checkpoint.api import CheckpointException
     try:
         return load()
