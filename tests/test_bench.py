@@ -55,3 +55,79 @@ def test_attention_side_by_side_on_gloo(tmp_path):
     (tmp_path / "attention.png").unlink(missing_ok=True)
     assert main(["plot", str(tmp_path / "attention.json")]) == 0
     assert (tmp_path / "attention.png").stat().st_size > 1000
+
+
+# ------------------------------------------------------------------------------------ memory: not-run rows
+GiB = 2**30
+MHA32 = dict(h=32, hk=32, d=128, elem=2)                         # bf16, 32 heads of 128
+
+
+def test_attention_need_arithmetic():
+    from megatron_cp_plugin.algos import registry
+    from megatron_cp_plugin.bench.cp_attention import MARGIN, attention_need, input_bytes
+
+    # One device, 1M tokens: q, k, v, dO 32 GiB + o, dq, dk, dv 32 + cuDNN's fp32 dQ accumulator 16 > 80 GiB.
+    one = input_bytes(2**20, **MHA32) + attention_need("single", 2**20, 1, **MHA32)
+    assert 85 * GiB < one < 90 * GiB
+    # 128k over P = 4: every algorithm, baseline and anchor fits an 80 GiB card (allgather's, the largest
+    # of ours, 22 GiB with the 4 GiB of full inputs; torch CP's 31 GiB).
+    names = list(registry.names(baselines=True)) + ["torch-cp-allgather-cudnn", "te-p2p", "ring-flash-attn"]
+    for name in names:
+        assert input_bytes(2**17, **MHA32) + attention_need(name, 2**17, 4, **MHA32) < 32 * GiB, name
+    # The worked number of the ring at 128k, P = 4 (U = 256 MiB, one bf16 q shard; L = its 4 MiB of fp32 lse):
+    # shards 4U + saved o 1U + L + the backward's dq acc 2U, K, V in flight 4U, dK, dV acc 12U, the last and
+    # this block's dq, dk, dv 6U, cuDNN's dQ accumulator 2U, times 1.15.
+    U, L = 2**28, 32 * 2**15 * 4
+    assert attention_need("ring", 2**17, 4, **MHA32) == pytest.approx(MARGIN * (31 * U + L))
+    # 1M tokens over P = 8 (one H200 node): ring fits 141 GiB, allgather (the gathered 16 GiB of K, V, the
+    # fp32 partials of every owner and their reduction) does not.
+    at8 = {n: input_bytes(2**20, **MHA32) + attention_need(n, 2**20, 8, **MHA32) for n in ("ring", "allgather")}
+    assert at8["ring"] < 80 * GiB < 141 * GiB < at8["allgather"]
+    # GQA shrinks what K, V cost; packed rows add their reordered copies.
+    gqa = dict(MHA32, hk=8)
+    assert attention_need("ring", 2**17, 4, **gqa) < attention_need("ring", 2**17, 4, **MHA32)
+    assert attention_need("ring", 2**17, 4, **MHA32, packed=True) > attention_need("ring", 2**17, 4, **MHA32)
+    with pytest.raises(ValueError, match="no memory model"):
+        attention_need("nope", 2**17, 4, **MHA32)
+
+
+def _attention_with_free(rank, world, stem, free):
+    """cp_attention.bench on this pool rank with `free[rank]` bytes free on its device (patched)."""
+    import torch
+
+    from megatron_cp_plugin.bench import _common, cp_attention
+
+    saved = _common.free_bytes
+    _common.free_bytes = lambda device: free[rank]
+    try:
+        a = cp_attention.parser().parse_args(
+            ["--seq", "64", "1024", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--warmup", "0",
+             "--iters", "1", "--algos", "ring", "attention2d-no", "--anchors", "--out", stem])
+        return cp_attention.bench(a, rank, world, torch.device("cpu"))
+    finally:
+        _common.free_bytes = saved
+
+
+def test_attention_too_big_configurations_are_not_run_rows(pools, tmp_path):
+    """A configuration needing more than a rank has free is a not-run row on every rank (rank 1 has less free
+    memory than rank 0 here: both skip it, neither waits for the other), the others run, and the report keeps it."""
+    from megatron_cp_plugin.bench.cp_attention import attention_need, input_bytes
+
+    shape = dict(h=4, hk=2, d=16, elem=4)                            # fp32 on CPU
+    ring, a2d = (attention_need(n, 1024, 2, **shape) for n in ("ring", "attention2d-no"))
+    assert attention_need("single", 1024, 1, **shape) < ring < a2d   # so that ring fits and attention2d-no not
+    small = (ring + a2d) / 2
+    assert input_bytes(1024, **shape) < small
+    stem = str(tmp_path / "attention")
+    rows = pools(2).run(_attention_with_free, stem, [100 * GiB, small], timeout=240)[0]
+    by = {(r["S"], r["algo"]): r for r in rows}
+    for key in [(64, "ring"), (64, "attention2d-no"), (1024, "ring")]:
+        assert by[key]["fwd_bwd_ms"] > 0 and "not_run" not in by[key], key
+    assert any(s == 1024 and a.startswith("single-GPU") and "fwd_bwd_ms" in r for (s, a), r in by.items())
+    skipped = by[(1024, "attention2d-no")]
+    assert "fwd_bwd_ms" not in skipped and skipped["not_run"].startswith("not run: needs ")
+    assert f"of {small / GiB:.1f} GiB free on this CPU" in skipped["not_run"]
+    res = json.loads((tmp_path / "attention.json").read_text())
+    assert [r.get("not_run") for r in res["rows"]] == [r.get("not_run") for r in rows]
+    md = (tmp_path / "attention.md").read_text().splitlines()
+    assert md[2].endswith("| not_run |") and sum("not run: needs" in line for line in md) == 1

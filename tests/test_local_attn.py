@@ -543,3 +543,31 @@ def test_fused_large_activations_on_gpu(backend, dtype):
         if not (torch.isfinite(b).all() and same <= 5e-2 and err <= 2 * lib + 1e-3):
             bad.append(f"{n}: surrogate vs real O {same:.3g}, error {err:.3g}, torch SDPA's {lib:.3g}")
     assert not bad, "\n".join(bad)
+
+
+# ------------------------------------------------------------------------------------------- the benchmark
+def test_local_attn_bench_need_arithmetic():
+    """One length's need on one device (32 heads of 128, bf16): 1M tokens' q, k, v, dO (32 GiB) and one kernel's
+    fwd+bwd (o, dq, dk, dv 32 GiB, cuDNN's fp32 dQ accumulator 16) do not fit 80 GiB; 64k's 5.5 GiB do."""
+    from megatron_cp_plugin.bench.local_attn import need
+
+    GiB = 2**30
+    assert need(2**20, 32, 32, 128, 2) > 85 * GiB and need(2**16, 32, 32, 128, 2) < 6 * GiB
+    assert need(2**16, 32, 8, 128, 2) < need(2**16, 32, 32, 128, 2)             # GQA: smaller k, v
+
+
+def test_local_attn_bench_skips_a_length_that_does_not_fit(tmp_path, monkeypatch, capsys):
+    """On CPU (the math backend): with free memory between what 64 and 1024 tokens need, 64 runs and 1024 is one
+    not-run row, decided before its tensors exist."""
+    import json
+
+    from megatron_cp_plugin.bench import _common, local_attn
+
+    small, big = (local_attn.need(s, 2, 2, 16, 2) for s in (64, 1024))
+    monkeypatch.setattr(_common, "free_bytes", lambda device: (small + big) / 2)
+    local_attn.main(["--seq", "64", "1024", "--heads", "2", "--head-dim", "16", "--masks", "causal",
+                     "--out", str(tmp_path / "la")])
+    assert capsys.readouterr().out.count("not run: needs") == 2                     # the line and the table
+    rows = json.loads((tmp_path / "la.json").read_text())["rows"]
+    assert {(r["S"], r.get("backend")) for r in rows if "fwd_ms" in r} == {(64, "math"), (64, "merge_")}
+    assert [r["S"] for r in rows if "not_run" in r] == [1024]

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -41,3 +43,45 @@ def test_loss_difference_only_against_a_cp1_run(tmp_path, monkeypatch):
     assert calls == [2] and set(rows) == {"ring"} and "max_loss_diff_vs_cp1" not in rows["ring"]
     assert rows["ring"]["final_loss"] > 0
     assert "max_loss_diff" not in (tmp_path / "without.md").read_text()
+
+
+def test_plan_need_is_the_planners_peak():
+    """The memory check asks the planner (bench/plan.py) for the layout the flags select, CP = the run's ranks:
+    GPT-3 760M at 32k tokens, Megatron's distributed optimizer (the config's), 64.5 GiB on one GPU; CPU ranks add up
+    on the host; TP > 1, which the planner does not model, is not checked."""
+    from megatron_cp_plugin.bench import model, plan
+    from megatron_cp_plugin.training.config import parse_args
+
+    flags = ["--config", str(REPO / "configs/gpt3-760m.toml"), "--seq-length", "32768"]
+    m = plan.model_from_args(parse_args(flags))
+    for n in (1, 2):
+        need, per_rank, line = model.plan_need(flags, n, 0.0)
+        assert per_rank == plan.estimate(m, plan.Layout("zero1"), n).total and "plan (zero1, CP = " in line
+    assert model.plan_need(flags, 1, 0.0)[1] / 2**30 == pytest.approx(64.5, abs=0.05)
+    assert model.plan_need(flags + ["--tensor-model-parallel-size", "2"], 2, 4.0) is None
+
+
+def test_run_the_planner_says_does_not_fit_is_not_started(tmp_path, monkeypatch, capsys):
+    """A run whose planned peak exceeds the free memory is a not-run row with the planner's numbers, never
+    started; the others run (here replayed: no training)."""
+    from megatron_cp_plugin.bench import _common, model
+
+    flags = ["--config", str(REPO / "configs/tiny.toml"), "--seq-length", "4096", "--train-iters", "3"]
+    cp1 = model.plan_need(flags + ["--context-parallel-size", "1"], 1, 0.0)[0]
+    cp2 = model.plan_need(flags + ["--context-parallel-algo", "ring", "--context-parallel-size", "2"], 2, 0.0)[0]
+    assert cp1 < cp2                               # CPU ranks share the host: two ranks' peaks add up
+    monkeypatch.setattr(_common, "free_bytes", lambda device: (cp1 + cp2) / 2)
+    started = []
+
+    def fake_run(nproc, run_flags, out_json):
+        started.append(nproc)
+        return {"status": "ok", "world_size": nproc, "seq_length": 4096, "step_time_median_s": 0.1,
+                "tokens_per_s": 1.0, "tflops_per_gpu": 1.0, "peak_mem_gb": 0.0, "losses": [5.0, 4.0]}
+    monkeypatch.setattr(model, "_run", fake_run)
+    assert model.main(["--nproc", "2", "--algos", "ring", "--out", str(tmp_path / "m"), *flags]) == 0
+    assert started == [1]
+    rows = {r["run"]: r for r in json.loads((tmp_path / "m.json").read_text())["rows"]}
+    assert rows["CP=1"]["step_ms"] > 0 and rows["CP=1"]["plan_GiB"] == pytest.approx(cp1 / 2**30)
+    assert rows["ring"]["not_run"].startswith("not run: needs ") and "step_ms" not in rows["ring"]
+    assert rows["ring"]["plan"].startswith("plan (ddp, CP = 2): weights ")        # tiny.toml: Megatron DDP
+    assert capsys.readouterr().out.count("model: ring: not run: needs ") == 1

@@ -220,3 +220,35 @@ def test_packed_bench_on_gloo(tmp_path):
     for algo in mcp.ALGORITHMS:
         for kind in ("packed", "unpacked"):
             assert rows[f"{algo} {kind}"]["fwd_bwd_ms"] > 0 and rows[f"{algo} {kind}"]["MB_sent_fwd_bwd"] > 0
+
+
+def _packed_with_free(rank, world, stem, free):
+    """packed.bench on this pool rank with `free` bytes free on its device (patched)."""
+    from megatron_cp_plugin.bench import _common, packed
+
+    saved = _common.free_bytes
+    _common.free_bytes = lambda device: free
+    try:
+        a = packed.parser().parse_args(["--tokens", "256", "--mean-doc", "32", "--heads", "4", "--kv-heads", "2",
+                                        "--head-dim", "16", "--warmup", "0", "--iters", "1", "--algos", "ring",
+                                        "--out", stem])
+        return packed.bench(a, rank, world, torch.device("cpu"))
+    finally:
+        _common.free_bytes = saved
+
+
+def test_packed_bench_row_that_does_not_fit_is_not_run(pools, tmp_path):
+    """With less free memory than a packed row needs (its reordered copies on top of the unpacked row's), that row
+    is reported not run on every rank and the unpacked one and the single-GPU rows run."""
+    from megatron_cp_plugin.bench.cp_attention import attention_need
+
+    shape = dict(h=4, hk=2, d=16, elem=4)
+    unpacked, packed_ = (attention_need("ring", 256, 2, packed=p, **shape) for p in (False, True))
+    assert attention_need("single", 256, 1, **shape) < unpacked < packed_
+    rows = pools(2).run(_packed_with_free, str(tmp_path / "packed"), (unpacked + packed_) / 2, timeout=240)[0]
+    by = {r["algo"]: r for r in rows}
+    assert by["ring unpacked"]["fwd_bwd_ms"] > 0 and "not_run" not in by["ring unpacked"]
+    assert by["ring packed"]["not_run"].startswith("not run: needs ") and "fwd_bwd_ms" not in by["ring packed"]
+    single = [r for name, r in by.items() if name.startswith("single-GPU varlen")]
+    assert single[0]["fwd_bwd_x_varlen"] == 1.0
+    assert "| not_run |" in (tmp_path / "packed.md").read_text()

@@ -82,3 +82,49 @@ def test_rank_subcommand_rejects_bad_arguments():
         bench_main(["rank", "--kv-heads", "3"])
     with pytest.raises(ValueError, match="algo must be one of"):
         RankReplay("nope", 4, 0, *(torch.zeros(1, 2, 1, 8),) * 4)
+
+
+def test_replay_need_arithmetic():
+    """What a replayed rank needs (its buffers in a P-rank run, the prepared receives): 1M tokens, 32 heads of 128,
+    bf16. The ring at P = 4 needs 77 GiB with its shards (an 80 GiB card holds it only just: --max-local keeps it
+    out by default), at P = 16 a quarter of that; Attention2D-NO on a 64 x 1 grid, which gathers every K, V chunk of
+    its column, 150 GiB, on the 8 x 8 grid 31."""
+    from megatron_cp_plugin.bench.rank_replay import replay_need, shard_bytes, single_need
+
+    GiB = 2**30
+
+    def total(algo, P, grid=None):
+        return (shard_bytes(2**20, P, 32, 32, 128, 2) + replay_need(algo, 2**20, P, 32, 32, 128, 2, grid)) / GiB
+
+    assert 75 < total("ring", 4) < 80 and total("ring", 16) == pytest.approx(total("ring", 4) / 4)
+    assert total("attention2d-no", 64, (64, 1)) > 141 > 80 > total("attention2d-no", 64, (8, 8)) > 20
+    assert total("attention2d-o", 64, (64, 1)) < total("attention2d-no", 64, (64, 1))   # rings: no gathered column
+    # the one-device ideal at 256k (the default --ideal-max-seq) fits 80 GiB, at 1M not
+    assert single_need(2**18, 32, 32, 128, 2) < 80 * GiB < single_need(2**20, 32, 32, 128, 2)
+
+
+def test_rank_subcommand_reports_rows_that_do_not_fit_as_not_run(tmp_path, monkeypatch):
+    """With less free memory than P = 2's rank needs, that row is a not-run row (before anything of it is
+    allocated), P = 4's runs, and so does the one-device ideal."""
+    from megatron_cp_plugin.bench import _common
+    from megatron_cp_plugin.bench.rank_replay import replay_need, shard_bytes, single_need
+
+    args = (64, 4, 2, 16, 2)                       # S, h, h_kv, d, bf16
+    at = {P: shard_bytes(64, P, *args[1:]) + replay_need("ring", 64, P, *args[1:]) for P in (2, 4)}
+    assert max(at[4], single_need(*args)) < at[2]
+    free = (max(at[4], single_need(*args)) + replay_need("ring", 64, 2, *args[1:])) / 2
+    assert free < replay_need("ring", 64, 2, *args[1:])      # P = 2's shards are held when its row is checked
+    monkeypatch.setattr(_common, "free_bytes", lambda device: free)
+    monkeypatch.setattr(sys, "argv", ["megatron-cp-bench", "rank"])
+    stem = tmp_path / "rank"
+    assert bench_main(["rank", "--seq-len", "64", "--cp", "2", "4", "--heads", "4", "--kv-heads", "2",
+                       "--head-dim", "16", "--iters", "1", "--budget-s", "0", "--algos", "ring",
+                       "--out", str(stem)]) == 0
+    rows = {r["P"]: r for r in json.loads((tmp_path / "rank.json").read_text())["rows"]}
+    assert rows[4]["fwd_ms"] > 0 and rows[4]["x_ideal"] > 0 and "not_run" not in rows[4]
+    assert rows[2]["not_run"].startswith("not run: needs ") and "fwd_ms" not in rows[2]
+    # the report keeps the row first, its reason in the last column (after the columns of the rows that ran)
+    md = (tmp_path / "rank.md").read_text().splitlines()
+    assert md[2].startswith("| S | h/h_kv | P | algo | grid | rank | fwd_ms |") and md[2].endswith("| not_run |")
+    assert md[4].startswith("| 64 | 4/2 | 2 | ring | - |") and md[4].endswith(" not run: needs 0.0 GiB of 0.0 GiB "
+                                                                             "free on this CPU |")

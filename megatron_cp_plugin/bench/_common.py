@@ -129,9 +129,12 @@ def attention_flop(b: int, s: int, h: int, d: int, causal: bool, backward: bool)
 def write_report(rows: list[dict], path_stem: str, header: str, plot: tuple[str, str, str] | None = None) -> str:
     """Write rows as JSON and a markdown table (path_stem.json, path_stem.md), and with plot = (x, y, series)
     column names a PNG (path_stem.png; needs matplotlib, else `megatron-cp-bench plot` draws it later from
-    the JSON). Returns the markdown. The JSON keeps the exact command and the device."""
+    the JSON). Returns the markdown. The JSON keeps the exact command and the device. Rows of configurations that
+    did not run (a `not_run` reason, e.g. not_fitting's line) keep their place, with the reason in the last
+    column and the measured columns empty, and are left out of the plot."""
     os.makedirs(os.path.dirname(path_stem) or ".", exist_ok=True)
-    cols = list(dict.fromkeys(c for r in rows for c in r))
+    cols = list(dict.fromkeys(c for r in rows for c in r if c != "not_run"))
+    cols += ["not_run"] if any("not_run" in r for r in rows) else []
     header += timing_note()
     md = [header, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
@@ -153,7 +156,8 @@ def _cell(v) -> str:
 
 
 def plot_rows(rows, png: str, x: str, y: str, series: str, title: str = "") -> bool:
-    """A log-log line per `series` value of y against x; False (and a message) without matplotlib."""
+    """A log-log line per `series` value of y against x (rows without y, such as not-run ones, left out); False
+    (and a message) without matplotlib."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -162,8 +166,9 @@ def plot_rows(rows, png: str, x: str, y: str, series: str, title: str = "") -> b
         print(f"(no matplotlib: {png} not drawn; pip install matplotlib, then megatron-cp-bench plot)")
         return False
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name in dict.fromkeys(r[series] for r in rows if y in r):
-        pts = sorted((r[x], r[y]) for r in rows if r[series] == name and y in r)
+    rows = [r for r in rows if y in r and "not_run" not in r]
+    for name in dict.fromkeys(r[series] for r in rows):
+        pts = sorted((r[x], r[y]) for r in rows if r[series] == name)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=str(name))
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")

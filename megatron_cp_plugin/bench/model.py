@@ -8,12 +8,22 @@ on one process unless --no-cp1, each writing its --result-json; every flag this 
 passed to pretraining (model size, --config files, --bf16, --use-distributed-optimizer, ...). `layer` is
 `model --num-layers 1`. MFU divides the model TFLOP/s per GPU (pretraining's formula, printed) by the bf16
 matmul peak measured in the same run (an 8192^3 matmul on GPU 0). The CP = 1 run also gives each algorithm's
-largest loss difference from it over the same iterations; without one (--no-cp1, or when it failed) the
-table has no loss-difference column.
+largest loss difference from it over the same iterations; without one (--no-cp1, or when it failed or did not
+run) the table has no loss-difference column.
+
+Memory: before each run starts, the memory planner (bench/plan.py, the layout the flags select, CP = the run's
+ranks) predicts its per-GPU peak; with --plan-headroom GiB on top (GPUs only: CUDA context, NCCL, allocator slack)
+that is checked against what GPU 0 has free (`_common.not_fitting`; GPU 0 also holds this process's context, so
+it is the most loaded of the run's GPUs), times the ranks per GPU where they share one, or against the host's
+available memory for CPU ranks. A run that does not fit is not started: its row says why (`not_run`) with the
+planner's numbers (`plan`), one line is printed, and the others run (--force starts it anyway). Where the planner
+cannot say (TP > 1, flags it cannot parse) the run starts unchecked.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -23,7 +33,7 @@ import torch
 
 import megatron_cp_plugin as mcp
 from megatron_cp_plugin.algos import registry
-from megatron_cp_plugin.bench._common import time_ms, write_report
+from megatron_cp_plugin.bench._common import GiB, not_fitting, time_ms, write_report
 
 
 def matmul_peak_tflops() -> float:
@@ -50,12 +60,44 @@ def _run(nproc: int, flags: list[str], out_json: str) -> dict:
         return json.load(f)
 
 
+def plan_need(flags: list[str], nproc: int, headroom_gib: float) -> tuple[float, float, str] | None:
+    """(bytes the run of megatron-cp-pretrain `flags` on `nproc` ranks needs on one GPU, or on the host for CPU
+    ranks; the planner's peak of one rank; its breakdown in one line), or None where the planner cannot say."""
+    from . import launch_plan, plan
+    from .. import devices
+    from ..training.config import parse_args
+
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):           # the run itself reports bad flags
+            a = parse_args(flags)
+        m = plan.model_from_args(a)
+        lay = launch_plan.config_layout(a)
+        est = plan.estimate(m, lay, nproc)
+    except (SystemExit, ValueError):
+        return None
+    parts = " + ".join(f"{k} {getattr(est, k) / GiB:.1f}" for k in ("weights", "grads", "optimizer",
+                                                                     "activations", "transient"))
+    gpus = devices.gpu_count()
+    if gpus:
+        share = -(-nproc // gpus)                                    # ranks on GPU 0 (more ranks than GPUs: shared)
+        need = share * (est.total + headroom_gib * GiB)
+        line = (f"plan ({lay.name}, CP = {nproc}): {parts} = {est.total / GiB:.1f} GiB per rank + {headroom_gib:g} "
+                f"GiB headroom" + (f", {share} ranks per GPU" if share > 1 else ""))
+    else:
+        need = nproc * est.total                                     # CPU ranks share the host's memory
+        line = f"plan ({lay.name}, CP = {nproc}): {parts} = {est.total / GiB:.1f} GiB per rank, {nproc} ranks"
+    return need, est.total, line
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, default=max(1, torch.cuda.device_count()), help="CP size (GPUs)")
     p.add_argument("--algos", nargs="+", default=list(registry.names()), choices=registry.names())
     p.add_argument("--no-cp1", action="store_true", help="skip the CP = 1 baseline (when it does not fit)")
     p.add_argument("--out", default="results/model")
+    p.add_argument("--plan-headroom", type=float, default=4.0, metavar="GIB",
+                   help="GiB per GPU the memory check keeps free beyond the planner's peak (default 4, the planner's)")
+    p.add_argument("--force", action="store_true", help="start runs the memory planner says do not fit")
     a, flags = p.parse_known_args(argv)
     from .. import devices
     refuse = devices.too_many_ranks(a.nproc, devices.sharing())      # before any run starts
@@ -64,15 +106,32 @@ def main(argv=None):
     if "--train-iters" not in flags:
         flags += ["--train-iters", "8"]
     peak = matmul_peak_tflops()
+    dev = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    planned = {}
+
+    def launch(name, nproc, run_flags, out_json):
+        """_run, unless the planner says the run does not fit (then a not-run record, nothing started)."""
+        plan = plan_need(run_flags, nproc, a.plan_headroom if dev.type == "cuda" else 0.0)
+        if plan is not None:
+            planned[name] = plan[1] / GiB
+            why = None if a.force else not_fitting(plan[0], dev)
+            if why:
+                print(f"model: {name}: {why}; {plan[2]}", flush=True)
+                return {"status": "not run", "not_run": why, "plan": plan[2]}
+        return _run(nproc, run_flags, out_json)
+
     runs = {}
     if not a.no_cp1:
-        runs["CP=1"] = _run(1, flags + ["--context-parallel-size", "1"], a.out + "_cp1.json")
+        runs["CP=1"] = launch("CP=1", 1, flags + ["--context-parallel-size", "1"], a.out + "_cp1.json")
     for algo in a.algos:
-        runs[algo] = _run(a.nproc, flags + ["--context-parallel-algo", algo, "--context-parallel-size",
-                                            str(a.nproc)], f"{a.out}_{algo}.json")
+        runs[algo] = launch(algo, a.nproc, flags + ["--context-parallel-algo", algo, "--context-parallel-size",
+                                                    str(a.nproc)], f"{a.out}_{algo}.json")
     ref = runs.get("CP=1", {}).get("losses")
     rows = []
     for name, r in runs.items():
+        if r.get("status") == "not run":
+            rows.append({"run": name, "plan": r["plan"], "not_run": r["not_run"]})
+            continue
         if r.get("status") != "ok":
             rows.append({"run": f"{name} (failed: {str(r.get('error'))[:120]})"})
             continue
@@ -82,6 +141,7 @@ def main(argv=None):
                "step_ms": 1e3 * (r.get("step_time_median_s") or float("nan")),
                "tokens_per_s": r.get("tokens_per_s"), "TFLOPs_per_GPU": tf,
                "MFU": tf / peak if peak else float("nan"), "peak_mem_GB": r.get("peak_mem_gb"),
+               "plan_GiB": planned.get(name, float("nan")),
                "final_loss": losses[-1] if losses else float("nan")}
         if ref and name != "CP=1":                    # only a CP = 1 run that finished gives a difference
             row["max_loss_diff_vs_cp1"] = max((abs(x - y) for x, y in zip(losses, ref)), default=float("nan"))
@@ -93,7 +153,7 @@ def main(argv=None):
               f"the timed iterations; model FLOPs per iteration: {formula}; matmul peak {peak:.0f} TFLOP/s (bf16 "
               f"8192^3, measured here).")
     print(write_report(rows, a.out, header), flush=True)
-    bad = [n for n, r in runs.items() if r.get("status") != "ok"]
+    bad = [n for n, r in runs.items() if r.get("status") not in ("ok", "not run")]   # a skipped run is no failure
     return 1 if bad else 0
 
 

@@ -27,6 +27,9 @@ at the first length of each (algo, grid, P, heads) and the slowest is timed (--r
                      the ideal at its kernel rates): the factor cost_compute.py applies; --fit-out PATH writes
                      their means per (algo, grid, P) as the cost model's fit (megatron_cp_plugin/configs/
                      rank_compute.json)
+Memory: before a row (or a one-device ideal) allocates anything, its need from the shapes (`replay_need`) is
+checked against what the device has free (`_common.not_fitting`); one that does not fit is a row with `not_run`
+("not run: needs X GiB of Y GiB free on <device>", printed) and the run goes on with the next.
 """
 from __future__ import annotations
 
@@ -47,7 +50,8 @@ from ..algos.attention2d_o import attention2d_o
 from ..algos.burst import burst_attention
 from ..algos.ring import ring_attention, ring_te_attention
 from ..kernels import local_attn
-from ._common import FLOP_FORMULA, attention_flop, write_report
+from ._common import FLOP_FORMULA, attention_flop, not_fitting, write_report
+from .cp_attention import MARGIN, attention_need, input_bytes
 from ._replay_comm import ReplayDist, patched
 
 ALGOS = {"ring": ring_attention, "ring-te": ring_te_attention, "burst": burst_attention,
@@ -251,6 +255,41 @@ def fit(rows, command: str, device: str) -> dict:
             "source": f"{command} on {device}", "factors": factors}
 
 
+# ----------------------------------------------------------------------------------------------- memory
+def _receives(algo, P, h, hk, d, s, e, grid) -> int:
+    """Bytes of ReplayDist's prepared receives for one fwd+bwd, one tensor per kind of receive (Q = s h d e,
+    K = s h_kv d e, L = h s 4 per rank, fp32 accumulators at 4 bytes). ReplayDist keeps one per distinct shape and
+    dtype, so kinds that share one count twice here: the prepared bytes measured on an H200 were 0.2-1.0x this."""
+    Q, K, L = s * h * d * e, s * hk * d * e, h * s * 4
+    Qa, Ka = Q // e * 4, K // e * 4
+    if algo in ("ring", "ring-te"):          # K or V blocks; the travelling dK, dV (fp32; ring-te: input dtype)
+        return K + (Ka if algo == "ring" and e != 4 else 0)
+    if algo == "burst":                      # K, V; Q or dO; D or lse; dQ
+        return K + Q + L + Qa
+    R, C = grid
+    if algo == "attention2d-no":             # permuted K, V; Q or dO gathered; K, V gathered; D, lse; the packed
+        return 2 * K + C * Q + 2 * R * K + 2 * C * L + C * (Qa + L) + C * Qa + 2 * R * K   # bytes of 3 all-to-alls
+    return Q + 2 * K + Qa + L + 2 * Ka + 2 * K       # attention2d-o: ring blocks of Q, K, V, o / dQ, lse, dK, dV
+
+
+def replay_need(algo, S, P, h, hk, d, elem, grid=None) -> float:
+    """Bytes one replayed rank allocates beyond its shards (q, k, v, dO, held for every row of a P): the rank's own
+    buffers in a P-rank run (cp_attention.attention_need, shards=False) and the prepared receives (MARGIN on
+    both)."""
+    return (attention_need(algo, S, P, h=h, hk=hk, d=d, elem=elem, grid=grid, shards=False)
+            + MARGIN * _receives(algo, P, h, hk, d, S // P, elem, grid))
+
+
+def shard_bytes(S, P, h, hk, d, elem) -> int:
+    """The local q, k, v, dO of one rank (_shards)."""
+    return input_bytes(S // P, h=h, hk=hk, d=d, elem=elem)
+
+
+def single_need(S, h, hk, d, elem) -> float:
+    """One device's causal fwd+bwd over S tokens (single_device_ms): its q, k, v, dO and the kernel's own."""
+    return input_bytes(S, h=h, hk=hk, d=d, elem=elem) + attention_need("single", S, 1, h=h, hk=hk, d=d, elem=elem)
+
+
 # ----------------------------------------------------------------------------------------------- driver
 def _shards(S, P, h, hk, d, dev, dtype):
     """Random local shards (b = 1): the replay's timing does not depend on which tokens they are."""
@@ -332,48 +371,61 @@ def main(argv=None):
             S1 = S
             while S1 > a.ideal_max_seq and S1 % 2 == 0:
                 S1 //= 2
+            # The ideal's rate from the longest whole sequence this device holds, halved until it fits (down to
+            # 8k, where the kernels still run at full rate); none fits: the rows carry no ideal.
+            while S1 % 2 == 0 and S1 > 8192 and not_fitting(single_need(S1, h, hk, d, dtype.itemsize), dev):
+                S1 //= 2
             if (S1, hk) not in single:
-                single[S1, hk] = single_device_ms(S1, h, hk, d, dev, dtype, a.iters, a.budget_s)
-            rate = attention_flop(1, S1, h, d, True, True) / single[S1, hk]         # FLOP per ms
+                why = not_fitting(single_need(S1, h, hk, d, dtype.itemsize), dev)
+                if why:
+                    print(f"rank_replay: the ideal at S={S1} h/h_kv={h}/{hk}: {why}", flush=True)
+                single[S1, hk] = None if why else single_device_ms(S1, h, hk, d, dev, dtype, a.iters, a.budget_s)
+            rate = attention_flop(1, S1, h, d, True, True) / single[S1, hk] if single[S1, hk] else None  # FLOP/ms
             ideal_from = "measured" if S1 == S else f"rate at S={S1}"
             for P in runs:
-                ideal = attention_flop(1, S, h, d, True, True) / rate / P
-                shards = _shards(S, P, h, hk, d, dev, dtype)
+                ideal = attention_flop(1, S, h, d, True, True) / rate / P if rate else None
+                why_shards = not_fitting(shard_bytes(S, P, h, hk, d, dtype.itemsize), dev)
+                shards = None if why_shards else _shards(S, P, h, hk, d, dev, dtype)
                 for algo, grid in _configs(a.algos, P, a.grids):
                     key = (algo, grid, P, hk)
-                    if a.deadline_s is not None and time.perf_counter() - start > a.deadline_s:
-                        rows.append({"S": S, "h/h_kv": f"{h}/{hk}", "P": P, "algo": algo, "note": "not run: --deadline-s"})
-                        continue
                     row = {"S": S, "h/h_kv": f"{h}/{hk}", "P": P, "algo": algo,
                            "grid": f"{grid[0]}x{grid[1]}" if grid else "-"}
-                    rep = None
-                    try:
-                        if key not in picked:
-                            picked[key] = [a.rank if a.rank is not None else slowest_rank(algo, P, grid, shards),
-                                           None]
-                        rep = RankReplay(algo, P, picked[key][0], *shards, grid=grid)
-                        t0 = time.perf_counter()
-                        rep()                                             # prepares the receives
-                        _sync(dev)
-                        first_ms = (time.perf_counter() - t0) * 1e3
-                        if picked[key][1] is None:                        # the same code path at every length
-                            picked[key][1] = count_launches(rep)
-                        f, b, n = measure(rep, a.iters, a.budget_s, first_ms)      # copies: of its last call
+                    if a.deadline_s is not None and time.perf_counter() - start > a.deadline_s:
+                        row["not_run"] = "not run: --deadline-s"
+                    else:
+                        row["not_run"] = why_shards or not_fitting(
+                            replay_need(algo, S, P, h, hk, d, dtype.itemsize, grid), dev)
+                    if row["not_run"]:
+                        rows.append(row)
+                        print(f"rank_replay: S={S} h/h_kv={h}/{hk} P={P} {algo} {row['grid']}: {row['not_run']}",
+                              flush=True)
+                        continue
+                    del row["not_run"]
+                    if key not in picked:
+                        picked[key] = [a.rank if a.rank is not None else slowest_rank(algo, P, grid, shards), None]
+                    rep = RankReplay(algo, P, picked[key][0], *shards, grid=grid)
+                    t0 = time.perf_counter()
+                    rep()                                                 # prepares the receives
+                    _sync(dev)
+                    first_ms = (time.perf_counter() - t0) * 1e3
+                    if picked[key][1] is None:                            # the same code path at every length
+                        picked[key][1] = count_launches(rep)
+                    f, b, n = measure(rep, a.iters, a.budget_s, first_ms)          # copies: of its last call
+                    row.update({"rank": picked[key][0], "fwd_ms": f, "bwd_ms": b, "fwd_bwd_ms": f + b})
+                    if ideal:
                         x_model = (f + b) / ideal / model_x_ideal(algo, S, P, h, hk, d, grid, dtype.itemsize)
-                        row.update({"rank": picked[key][0], "fwd_ms": f, "bwd_ms": b, "fwd_bwd_ms": f + b,
-                                    "ideal_ms": ideal, "x_ideal": (f + b) / ideal, "x_model": x_model,
-                                    "ideal_from": ideal_from,
-                                    **picked[key][1], "copies": rep.d.copies,
-                                    "copy_MB": rep.d.copied_bytes / 2**20, "iters": n})
-                    except torch.OutOfMemoryError:
-                        row["note"] = "out of memory"
+                        row.update({"ideal_ms": ideal, "x_ideal": (f + b) / ideal, "x_model": x_model,
+                                    "ideal_from": ideal_from})
+                    row.update({**picked[key][1], "copies": rep.d.copies, "copy_MB": rep.d.copied_bytes / 2**20,
+                                "iters": n})
                     rows.append(row)
-                    del rep
+                    del rep                       # its buffers and prepared receives go before the next row's check
                     if dev.type == "cuda":
                         torch.cuda.empty_cache()
                     print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
                           flush=True)
                     write_report(rows, a.out, header)              # what ran so far survives a killed run
+                del shards
     print(write_report(rows, a.out, header))
     if a.fit_out:
         import sys
