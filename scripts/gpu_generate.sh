@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Prefill + 32 decoded tokens on 2 GPUs: a 32-layer GPT with Llama-3.1-8B attention (32 heads, 8 KV heads,
-# d = 128; hidden 4096, ffn 14336; random weights, bf16), tree vs ring decoding, the decode step replayed as
-# one CUDA graph per token (DECODE_MODE=eager runs it eagerly). Each run reports the prefill time, the
-# per-token latency, tokens/s and the bandwidth floor. scripts/gpu_decode_check.sh is the fuller check.
+# d = 128; hidden 4096, ffn 14336; random weights that give varying greedy tokens, bf16), tree vs ring
+# decoding, the decode step replayed as one CUDA graph per token (DECODE_MODE=eager runs it eagerly). Each run
+# reports the prefill time, the per-token latency, tokens/s and the bandwidth floor. scripts/gpu_decode_check.sh
+# is the fuller check.
 OUT=${OUT:-results}; mkdir -p "$OUT"
 if [ -d .whl ] && ! python3 -c "import megatron.core" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site

@@ -168,11 +168,15 @@ def test_baselines_match_reference():
     assert (fd.double() - ro).abs().max() <= 2e-5 and (med.double() - ro).abs().max() <= 2e-5
 
 
+SPEC_NEW = 8            # greedy tokens speculative decoding must reproduce
+
+
 def _model(dtype):
     import warnings
     warnings.filterwarnings("ignore")
     from megatron.core import parallel_state as ps
 
+    from megatron_cp_plugin.inference.token_check import vary_greedy_tokens_
     from megatron_cp_plugin.megatron import CPConfig
     from megatron_cp_plugin.megatron.model import build_gpt, tiny_config
     if not ps.model_parallel_is_initialized():
@@ -182,7 +186,8 @@ def _model(dtype):
     cfg.kv_channels = 64                                 # head dim 64: one the kernel runs
     model = build_gpt(cfg, CPConfig(algo="ring", cp_size=1), vocab_size=97, seq_length=256,
                       cp_group=ps.get_context_parallel_group())
-    return model.to(DEV).eval()
+    # The token-check model (inference/token_check.py): speculative == greedy below compares greedy tokens.
+    return vary_greedy_tokens_(model.to(DEV).eval())
 
 
 def _full_logits(model, ids):
@@ -194,6 +199,7 @@ def _full_logits(model, ids):
 
 
 def _tree_vs_branches(rank, world, backend, dtype):
+    from megatron_cp_plugin.inference.token_check import variety
     from megatron_cp_plugin.inference.tree import TreeDecoder, few_shot, speculative, tot_bfs
     model = _model(dtype)
     tree = DecodeTree(300)
@@ -210,17 +216,17 @@ def _tree_vs_branches(rank, world, backend, dtype):
     errs = [(g.double() - w).abs().max().item() for g, w in zip(got, want)]
     # The three workloads, small: speculative decoding must give greedy decoding's tokens (it is lossless).
     ids, greedy = list(prompt), []
-    for _ in range(4):
+    for _ in range(SPEC_NEW):
         greedy.append(int(_full_logits(model, ids).argmax()))
         ids.append(greedy[-1])
     t2 = DecodeTree(300)
-    spec = speculative(TreeDecoder(model, t2, backend=backend), prompt, new_tokens=4, t=10)
+    spec = speculative(TreeDecoder(model, t2, backend=backend), prompt, new_tokens=SPEC_NEW, t=10)
     t3 = DecodeTree(300)
     shot = few_shot(TreeDecoder(model, t3, backend=backend), prompt, branches=3, steps=2)
     t4 = DecodeTree(300)
     best = tot_bfs(TreeDecoder(model, t4, backend=backend), prompt, depth=2, width=2, branch=2, thought_len=2)
     kept = t2.nodes()
-    return (errs, spec == greedy, len(kept), len(t2.free) + len(t2.tokens[kept[0]]),
+    return (errs, (spec == greedy, variety(greedy)), len(kept), len(t2.free) + len(t2.tokens[kept[0]]),
             [len(x) for x in shot.values()], len(_leaves(t4)), len(best), len(t4.free))
 
 
@@ -231,8 +237,9 @@ def test_gpt_over_a_tree_equals_each_branch_alone(pools, backend, dtype, tol):
         _tree_vs_branches, backend, dtype)[0]
     # fp64 model: the plain path's attention keeps an fp32 lse, so ~1e-8 is its floor, not the tree's.
     assert max(errs) <= tol, errs
-    # Speculative: the accepted path folded into one node, rejected drafts pruned and their slots free again.
-    assert spec_ok and spec_nodes == 1 and spec_slots == 300
+    # Speculative: greedy's tokens (which vary: equal constant tokens would prove nothing), the accepted path
+    # folded into one node, rejected drafts pruned and their slots free again.
+    assert spec_ok == (True, None) and spec_nodes == 1 and spec_slots == 300, spec_ok
     assert shot == [3, 3, 3]
     # ToT-BFS: prompt 21; depth 1: 2 thoughts of 2 tokens kept; depth 2: 4 grown, 2 kept, 2 pruned (freed).
     assert tot_leaves == 2 and best_len == 21 + 2 + 2 and tot_free == 300 - 21 - 2 * 2 - 2 * 2
@@ -285,3 +292,30 @@ def test_gpu_benchmark_shapes_bf16(kv_heads):
                                   num_kv_heads=kv_heads, num_slots=c["num_slots"], strategy=strategy, device=DEV)
             o, lse = deft.deft_attention(c["q"], c["k"], c["v"], plan)
             assert (o.double() - ro).abs().max() <= 2e-2 and (lse.double() - rl).abs().max() <= 2e-2, strategy
+
+
+def test_bench_memory_is_decided_from_the_shape_and_a_workload_that_does_not_fit_is_a_row(monkeypatch, tmp_path):
+    import json
+
+    from megatron_cp_plugin.bench import _common
+    from megatron_cp_plugin.bench.deft import case_bytes, fewshot_shape, main, path_lengths, spec_shape, tot_shape
+    from megatron_cp_plugin.bench.decode_model import MARGIN_BYTES
+
+    for shape in (fewshot_shape(64, 3, 8), tot_shape(40, 3, 2, 2, 6), spec_shape(80, 8)):
+        parents, lens, qn, qs = shape
+        slots, o = [], 0
+        for n in lens:
+            slots.append(list(range(o, o + n)))
+            o += n
+        assert path_lengths(shape) == [p.numel() for p in query_paths(parents, slots, qn, qs)]
+    # spec t = 256 on a 6000-token prefix, the default bench's largest: gather + SDPA's 1 GiB chunks of gathered
+    # K, V (counted twice) dominate Medusa's [32 heads, 256 queries, 6256 keys] scores (0.5 GB).
+    big = case_bytes(spec_shape(6000, 256), h=32, h_kv=8, d=128, e=2)
+    assert 2 * 2**30 < big - MARGIN_BYTES < 4 * 2**30
+    if not deft.available(torch.device("cpu")) or DEV.type != "cpu":
+        return                                          # the run below: the CPU smoke sizes (interpreter)
+    monkeypatch.setattr(_common, "free_bytes", lambda device: 2**20)     # 1 MiB free: nothing fits
+    main(["--tiny", "--workloads", "spec", "fewshot", "--out", str(tmp_path / "deft")])
+    rows = json.loads((tmp_path / "deft.json").read_text())["rows"]
+    assert [r["workload"] for r in rows] == ["fewshot b=3", "spec t=8"]
+    assert all(r["not_run"].startswith("not run: needs 1.0 GiB of 0.0 GiB free on") for r in rows), rows

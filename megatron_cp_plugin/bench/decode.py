@@ -29,7 +29,7 @@ import torch.distributed as dist
 import megatron_cp_plugin as mcp
 from megatron_cp_plugin.algos.ring_decode import ring_decode
 from megatron_cp_plugin.algos.tree_decode import VARIANTS
-from megatron_cp_plugin.bench._common import gather_max, init_distributed, time_ms, write_report
+from megatron_cp_plugin.bench._common import gather_max, init_distributed, not_fitting, time_ms, write_report
 from megatron_cp_plugin.inference.floor import memory_bandwidth
 from megatron_cp_plugin.kernels.local_attn import decode_fwd
 
@@ -63,7 +63,7 @@ def graphed(step, keep: list):
         return None
 
 
-def main(argv=None):
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--context", type=int, nargs="+", default=[32768, 131072, 524288])
     p.add_argument("--heads", type=int, default=32)
@@ -83,11 +83,16 @@ def main(argv=None):
     g.add_argument("--decoders", nargs="+", choices=("tree", "ring"), default=["tree", "ring"])
     g.add_argument("--hidden", type=int, default=4096)
     g.add_argument("--ffn", type=int, default=14336)
-    g.add_argument("--tokens", type=int, default=32, help="decode steps timed per configuration")
+    g.add_argument("--tokens", type=int, default=32,
+                   help="greedy tokens of the token check; decode steps timed per configuration")
     g.add_argument("--eager-context", type=int, nargs="*", default=[131072], help="contexts also timed eagerly")
     g.add_argument("--check-context", type=int, default=16384, help="prompt of the graph-vs-eager token check")
     g.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv=None):
+    a = parser().parse_args(argv)
     rank, world, dev = init_distributed()
     if dev.type != "cuda" and not a.model:
         raise SystemExit("bench.decode needs GPUs (run it under torchrun on a GPU machine)")
@@ -105,11 +110,38 @@ def main(argv=None):
     dist.destroy_process_group()
 
 
+GRAPHED = ("tree allgather", "tree allreduce2", "tree allreduce3", "ring-decode", "local shard only (no merge)")
+
+
+def attention_bytes(a, context: int, world: int) -> tuple[int, int]:
+    """(bytes each rank needs for the sharded methods at `context`, bytes rank 0 needs for the one-GPU
+    baseline), from arithmetic, with decode_model's margin (MARGIN_FRACTION, MARGIN_BYTES): the --distinct K, V
+    caches of context / P tokens (2 x h_kv x d x 2 B a token) and, for ring decoding at P > 1, one layer's
+    received shard (two in flight for P > 2), once eagerly and once more in its graph's pool."""
+    from megatron_cp_plugin.bench.decode_model import MARGIN_BYTES, MARGIN_FRACTION
+
+    tok = 2 * a.kv_heads * a.head_dim * 2
+    s = context // world
+    ring = (0 if world == 1 else 1 if world == 2 else 2) * s * tok * (1 if a.no_graphs else 2)
+    return tuple(int(x * (1 + MARGIN_FRACTION) + MARGIN_BYTES) for x in (a.distinct * s * tok + ring,
+                                                                          a.distinct * context * tok))
+
+
 def attention_bench(a, rank: int, world: int, dev, bw: float) -> None:
+    from megatron_cp_plugin.bench.decode_model import graph_refusal
+
     dtype = torch.bfloat16
     rows, graphs = [], []
+    no_graph = None if a.no_graphs else graph_refusal(dev)       # gloo (ranks sharing a GPU): eager only
     for n in a.context:
         s = n // world
+        need, need_single = attention_bytes(a, n, world)
+        why = not_fitting(need, dev)                           # every rank, before anything of n is allocated
+        if why:
+            if rank == 0:
+                rows.append({"context": n, "method": "every method", "P": world, "not_run": why})
+                print(f"{n}: {why}", flush=True)
+            continue
         q = torch.randn(1, 1, a.heads, a.head_dim, device=dev, dtype=dtype,
                         generator=torch.Generator(device=dev).manual_seed(n))
         g = torch.Generator(device=dev).manual_seed(n + rank)
@@ -127,9 +159,8 @@ def attention_bench(a, rank: int, world: int, dev, bw: float) -> None:
         methods["local shard only (no merge)"] = layers(lambda k, v: decode_fwd(q, k, v))
         small = torch.zeros(a.heads * (a.head_dim + 1), device=dev)
         methods["all_reduce of (o, lse) bytes only"] = lambda: [dist.all_reduce(small) for _ in range(a.layers)]
-        if not a.no_graphs:
-            for name in ("tree allgather", "tree allreduce2", "tree allreduce3", "ring-decode",
-                         "local shard only (no merge)"):
+        if not a.no_graphs and no_graph is None:
+            for name in GRAPHED:
                 replay = graphed(methods[name], graphs)
                 if replay is not None:
                     methods[name + " (CUDA graph)"] = replay
@@ -137,7 +168,11 @@ def attention_bench(a, rank: int, world: int, dev, bw: float) -> None:
         methods.clear()
         graphs.clear()                                     # free the graphs (and with them their NCCL work)
         caches.clear()                                     # free this context's shards
-        if n <= a.single_max:
+        why = not_fitting(need_single if rank == 0 else 0, dev) if n <= a.single_max else None
+        if why and rank == 0:
+            rows += [{"context": n, "method": name, "P": 1, "not_run": why} for name in ("one GPU", "one GPU, cuDNN")]
+            print(f"{n} one GPU: {why}", flush=True)
+        if n <= a.single_max and not why:
             # One GPU holding the whole cache (rank 0; the others wait at the barrier inside step_ms).
             full = [tuple(torch.randn(1, n, a.kv_heads, a.head_dim, device=dev, dtype=dtype) for _ in range(2))
                     for _ in range(a.distinct)] if rank == 0 else None
@@ -154,6 +189,9 @@ def attention_bench(a, rank: int, world: int, dev, bw: float) -> None:
                 floor = a.layers * -(-n // P) * 2 * a.kv_heads * a.head_dim * 2 / bw * 1e3
                 rows.append({"context": n, "method": name, "P": P, "step_ms": t, "layer_us": t / a.layers * 1e3,
                              "ring_decode_over_this": ring / t, "floor_ms": floor, "x_floor": t / floor})
+            if no_graph:
+                rows += [{"context": n, "method": f"{name} (CUDA graph)", "P": world, "not_run": no_graph}
+                         for name in GRAPHED]
         torch.cuda.empty_cache()
     if rank == 0:
         name = torch.cuda.get_device_name(dev)

@@ -14,7 +14,9 @@ Methods: DeFT with its three groupings and the same kernel with Q-guided groupin
 Radix Attention: every query reads its whole path through the page table); Flash-Decoding-style gather + SDPA
 (each query's path copied out of the pool, then attention); Medusa-style (all tree tokens from an unpaged
 contiguous cache, gathered outside the timing, one GEMM, a dense [n_q, n_kv] additive mask, softmax, GEMM).
-Per layer, median of --iters CUDA-event timings after warm-up. Byte formulas in the report's header.
+Per layer, median of --iters CUDA-event timings after warm-up. Byte formulas in the report's header. A
+workload whose memory (`case_bytes`, with decode_model's margin) is more than the device has free is a row with
+its one-line reason ("not_run"), decided before anything of it is allocated.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ import random
 
 import torch
 
-from megatron_cp_plugin.bench._common import time_ms, write_report
+from megatron_cp_plugin.bench._common import not_fitting, time_ms, write_report
 from megatron_cp_plugin.inference.tree import medusa_topology
 from megatron_cp_plugin.kernels import deft
 from megatron_cp_plugin.kernels.deft_reference import (dense_tree_mask, flash_decoding_baseline,
@@ -62,6 +64,44 @@ def spec_shape(prefix: int, t: int):
     """A prefix node and a Medusa-topology tree of t one-token nodes; each tree token a query."""
     return [-1] + [0 if p < 0 else p + 1 for p in medusa_topology(t)], [prefix] + [1] * t, list(range(1, t + 1)), \
         [1] * t
+
+
+GATHER_CHUNK = 1 << 30          # flash_decoding_baseline's chunk_bytes default
+
+
+def path_lengths(shape, nodes: bool = False) -> list[int]:
+    """Tokens each query sees (its ancestors whole, its own node up to its seen count), from the shape alone;
+    with nodes=True the nodes on each query's path instead."""
+    parents, lens, qn, qs = shape
+    out = []
+    for i, u in enumerate(qn):
+        n, k, a = (lens[u] if qs is None else qs[i]), 1, parents[u]
+        while a >= 0:
+            n, k, a = n + lens[a], k + 1, parents[a]
+        out.append(k if nodes else n)
+    return out
+
+
+def case_bytes(shape, *, h: int, h_kv: int, d: int, e: int, check_queries: int = 16) -> int:
+    """Bytes one workload needs on the device, from its shape alone (nothing allocated), with decode_model's
+    margin; e = bytes per element. Held through the case: q, the paged K, V pool (num_slots = tokens x 9/8),
+    Medusa's unpaged K, V copy and its [n_q, n_kv] mask, the paths' slot indices. Then the largest of what one
+    method adds while it runs: the fp32 reference (the pool in fp32, the first 16 queries' gathered K, V and
+    scores), gather + SDPA (chunks of 1 GiB of gathered K, V, or one query's path, twice for SDPA's copies), Medusa's
+    [h, n_q, n_kv] scores (the scores, the mask's bias, fp32 softmax, its cast: 3 e + 4 B), DeFT's fp32 (o, lse)
+    partials (at most one per query and 64-key block of its path, or per node on it)."""
+    from megatron_cp_plugin.bench.decode_model import MARGIN_BYTES, MARGIN_FRACTION
+
+    _, lens, qn, _ = shape
+    n_tok, n_q, tok = sum(lens), len(qn), h_kv * d
+    paths = path_lengths(shape)
+    held = (n_q * h * d + 2 * (n_tok + n_tok // 8 + 1) * tok + 2 * n_tok * tok) * e + n_q * n_tok * (1 + e)
+    held += 8 * sum(paths)
+    ref = (n_tok + n_tok // 8 + 1) * tok * 4 + min(check_queries, n_q) * max(paths) * (2 * tok + 2 * h) * 4
+    gather = 2 * min(2 * sum(paths) * tok * e, max(GATHER_CHUNK, 2 * max(paths) * tok * e))
+    medusa = h * n_q * n_tok * (3 * e + 4)
+    deft_parts = 2 * (sum(paths) // 64 + sum(path_lengths(shape, nodes=True))) * h * (d + 1) * 4
+    return int((held + max(ref, gather, medusa, deft_parts)) * (1 + MARGIN_FRACTION) + MARGIN_BYTES)
 
 
 def make_case(shape, *, h: int, h_kv: int, d: int, dtype, device, seed: int = 0):
@@ -173,7 +213,13 @@ def main(argv=None):
         shapes += [(f"spec t={t}", spec_shape(a.prefix, t)) for t in a.tree_tokens]
     bw = copy_bandwidth(dev, (1 << 30) if dev.type == "cuda" else (1 << 24))
     rows = []
+    e = torch.tensor([], dtype=dtype).element_size()
     for name, shape in shapes:
+        why = not_fitting(case_bytes(shape, h=a.heads, h_kv=a.kv_heads, d=a.head_dim, e=e), dev)
+        if why:
+            rows.append({"workload": name, "method": "every method", "not_run": why})
+            print(f"{name}: {why}", flush=True)
+            continue
         c = make_case(shape, h=a.heads, h_kv=a.kv_heads, d=a.head_dim, dtype=dtype, device=dev)
         rows += run_case(name, c, iters=a.iters, bw=bw)
         print(f"{name}: done", flush=True)
@@ -181,7 +227,6 @@ def main(argv=None):
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU (Triton interpreter)"
-    e = torch.tensor([], dtype=dtype).element_size()
     header = (f"DeFT tree attention, one decode step, one layer: h={a.heads}, h_kv={a.kv_heads}, d={a.head_dim}, "
               f"{dtype}, {gpu}; median of {a.iters}. Measured copy bandwidth {bw / 1e12:.3f} TB/s (read+write). "
               f"Bytes per token: 2*h_kv*d*e = {2 * a.kv_heads * a.head_dim * e} B. floor_us = tree tokens x that / "

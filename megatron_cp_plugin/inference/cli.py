@@ -6,7 +6,8 @@
 
 The model and context-parallel flags are megatron-cp-pretrain's (its training flags are accepted, so that
 --config reads the same TOML files, but not listed; keys = flag names; the command line overrides them). With --load the model arguments come from the checkpoint (a model flag that disagrees
-with it is an error naming the flag); without, the weights are random (seeded by --seed). The prompt is
+with it is an error naming the flag); without, the weights are random (seeded by --seed; Q, K scaled and fc2
+centred so that greedy tokens depend on the context and vary: inference/token_check.py). The prompt is
 byte-level text (--prompt, --prompt-file) or token ids (--prompt-ids), repeated --batch-size times. Prefill
 uses --context-parallel-algo; decoding is a static step (inference/static.py), replayed as one CUDA graph per
 token (--decode-mode graph, the default on GPUs) or run eagerly (the same tokens). Reports the tokens, the
@@ -106,6 +107,7 @@ def _generate(args) -> None:
     from ..megatron.tokenizer import ByteTokenizer, padded_vocab_size
     from .floor import floor_line, memory_bandwidth, weight_bytes
     from .static import StaticDecoder
+    from .token_check import distinct, vary_greedy_tokens_
 
     gpu = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
@@ -133,6 +135,8 @@ def _generate(args) -> None:
                       seq_length=args.max_position_embeddings or args.seq_length, cp_group=cp_group).to(device)
     if args.load:
         load_weights(model, checkpoint_path(args.load), args.tensor_model_parallel_size)
+    else:                   # random weights whose greedy tokens vary, so that comparing runs' tokens means something
+        vary_greedy_tokens_(model)
     P = cp_group.size()
     dec = StaticDecoder(model, cp_group, batch=args.batch_size, capacity=-(-(len(ids) + args.max_new_tokens) // P),
                         decoder=args.decoder, variant=args.decode_variant, graphed=graphed,
@@ -165,7 +169,8 @@ def _generate(args) -> None:
                 with open(args.result_json, "w") as f:
                     json.dump({"tokens": out.tolist(), "world": world, "decoder": args.decoder,
                                "variant": dec.variant, "graphed": graphed, "prompt_tokens": len(ids),
-                               "batch": args.batch_size, "prefill_s": t["prefill_s"], "token_ms": lat,
+                               "batch": args.batch_size, "distinct_tokens": distinct(out),
+                               "random_weights": not args.load, "prefill_s": t["prefill_s"], "token_ms": lat,
                                "median_token_ms": med, "weight_bytes": weights, "kv_shard_bytes": kv,
                                "bandwidth": bw, "device": torch.cuda.get_device_name(device) if gpu else "cpu",
                                "argv": sys.argv[1:]}, f, indent=1)

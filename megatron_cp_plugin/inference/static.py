@@ -59,7 +59,19 @@ class StaticCache:
     def bytes_per_token(self) -> int:
         """Bytes of K and V that one filled slot holds over all layers and the batch."""
         layers, b, _, h_kv, d = self.k.shape
-        return 2 * layers * b * h_kv * d * self.k.element_size()
+        return self.token_bytes(layers, b, h_kv, d, self.k.element_size())
+
+    @staticmethod
+    def token_bytes(layers: int, batch: int, kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
+        """bytes_per_token() of a cache of this shape, without making one."""
+        return 2 * layers * batch * kv_heads * head_dim * dtype_bytes
+
+    @classmethod
+    def bytes_for(cls, layers: int, batch: int, capacity: int, kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
+        """What the constructor allocates, without allocating: k, v of capacity + 1 slots (the scratch slot),
+        the int64 positions and the fill."""
+        return ((capacity + 1) * (cls.token_bytes(layers, batch, kv_heads, head_dim, dtype_bytes) + 8 * batch)
+                + 8)
 
 
 class StaticDecoder:
