@@ -78,6 +78,9 @@ def test_resumed_run_equals_uninterrupted_run_bit_for_bit(tmp_path, layout):
         # weights are read, not left at their seeded initialisation). torch_dist: tests/test_pretrain.py.
         last = _generated(ref, 1)
         assert _generated(ref, 2) == last and _generated(start, 1) != last
+        from megatron_cp_plugin.inference.token_check import variety
+        ids = [int(x) for x in last.split(":", 1)[1].replace("[", " ").replace("]", " ").replace(",", " ").split()]
+        assert variety(ids) is None, (variety(ids), last)        # equal tokens that vary: a wrong merge would show
 
 
 def _generated(ckpt, nproc):
