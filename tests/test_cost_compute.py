@@ -1,4 +1,4 @@
-"""cost_compute.py: the cost model's per-algorithm compute factors from `megatron-cp-bench rank` (issue 26), and
+"""cost/compute.py: the cost model's per-algorithm compute factors from `megatron-cp-bench rank` (issue 26), and
 `cost-model --table step` (bench/cost_step.py)."""
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from megatron_cp_plugin import cost_compute
 from megatron_cp_plugin.bench import cost_step
 from megatron_cp_plugin.bench.rank_replay import fit
-from megatron_cp_plugin.cost_model import HARDWARE, Problem, predict
+from megatron_cp_plugin.cost import HARDWARE, Problem, predict
+from megatron_cp_plugin.cost import compute as cost_compute
 
 # Links free: a prediction is then the rank's compute alone.
 FREE = dataclasses.replace(HARDWARE["h200-nvlink"], intra_bw=1e30, inter_bw=1e30, intra_lat=0.0, inter_lat=0.0)

@@ -14,10 +14,10 @@ import torch
 import torch.distributed as dist
 
 import megatron_cp_plugin as mcp
-from megatron_cp_plugin import cost_model as cm
+from megatron_cp_plugin import cost as cm
 from megatron_cp_plugin.bench.cost_report import attention_problem, fit_link, load_measured, log_errors
 from megatron_cp_plugin.bench.cost_report import main as report_main
-from megatron_cp_plugin.cost_model import HARDWARE, DecodeProblem, Hardware, Problem, choose_algo
+from megatron_cp_plugin.cost import HARDWARE, DecodeProblem, Hardware, Problem, choose_algo
 
 DTYPES = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
 
@@ -232,7 +232,7 @@ def test_sockets_link_fitted_on_32k_checks_128k():
     S = 128k, which the fit never sees; there the compute (not fitted: cuDNN rates) is a quarter to a third of
     the time instead of 6-9%, so the check tests how the model combines fitted transfers with compute.
     Tolerance 20%: the measured transfer rates vary between algorithms and lengths by 3.7-4.1 GB/s (collectives)
-    and 2.0-2.4 GB/s (p2p), i.e. +-5% and +-9% (cost_hardware.py), and the compute carries the NVLink sets'
+    and 2.0-2.4 GB/s (p2p), i.e. +-5% and +-9% (cost/hardware.py), and the compute carries the NVLink sets'
     0-10% kernel-rate error at 128k. The measured fwd+bwd ranking at 128k must also come out.
     The shipped preset was fitted on all 16 figures (docs/cost_model.md), so its errors are in-sample: it is held
     to 15% on both halves, and the 32k-only refit must land within 10% of it (the preset is not tuned to the check

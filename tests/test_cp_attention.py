@@ -184,7 +184,7 @@ GQA_A2A = [(2, "ulysses", None, (6, 3)), (3, "ulysses", None, (12, 4)), (3, "uly
 def _gqa_cases(rank, world, algo, grid, heads, dtypes):
     """Dense (d = 16 and 24) and packed, causal and not, against fp64; and the rank's bytes against the cost model."""
     from megatron_cp_plugin.algos.ulysses import kv_spans
-    from megatron_cp_plugin.cost_model import Problem, comm_bytes
+    from megatron_cp_plugin.cost import Problem, comm_bytes
 
     group = mcp.CPGrid(dist.group.WORLD, *grid) if grid else None
     h, hk = heads
@@ -415,9 +415,9 @@ def test_attention2d_byte_counters_equal_formula(pools, world, algo):
 @pytest.mark.parametrize("algo,world", [(a, w) for a in ("allgather", "ulysses", "ulysses-ring") for w in (1, 3, 4)]
                          + [("ulysses-ring", 6)])
 def test_collective_byte_counters_equal_cost_model(pools, world, algo):
-    """The counters equal cost_collective's formulas (cost_model.comm_bytes), MHA and GQA, fp32 and bf16;
+    """The counters equal cost/collective.py's formulas (cost.comm_bytes), MHA and GQA, fp32 and bf16;
     ulysses-ring at P = 6 runs its default 3 x 2 grid (ring across three all-to-alls of two)."""
-    from megatron_cp_plugin.cost_model import Problem, comm_bytes
+    from megatron_cp_plugin.cost import Problem, comm_bytes
 
     for dtype, (h, hk) in itertools.product((torch.float32, torch.bfloat16), HEADS):
         h, hk = _heads(algo, world, h, hk)

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import megatron_cp_plugin.cost_model as cm
+import megatron_cp_plugin.cost as cm
 from megatron_cp_plugin.algos.tree_decode import VARIANTS
 from megatron_cp_plugin.bench.cost_report import load_measured
-from megatron_cp_plugin.cost_model import HARDWARE, DecodeProblem
+from megatron_cp_plugin.cost import HARDWARE, DecodeProblem
 
 # The measured figures: docs/results/cost_model_measured.json (data of the repository, next to these tests).
 MEASURED = Path(__file__).resolve().parents[1] / "docs" / "results" / "cost_model_measured.json"

@@ -86,7 +86,7 @@ def toy_attention(q, k, v, *, group, causal, softmax_scale, backend, comm_stats,
 
 def toy_cost(algo, pb, hw, rank=None):
     """All-gather of K, V forward, all-reduce of the gathered dK, dV backward, compute not overlapped."""
-    from megatron_cp_plugin.cost_model import Prediction, attention_flops
+    from megatron_cp_plugin.cost import Prediction, attention_flops
 
     n_kv = pb.batch * pb.seq_len // pb.world * pb.kv_heads * pb.head_dim
     fwd_b = (pb.world - 1) * 2 * n_kv * pb.dtype_bytes
@@ -124,7 +124,7 @@ def test_a_toy_algorithm_added_through_its_row_alone_trains_is_costed_and_planne
         assert len(losses[TOY]) == 3 and losses[TOY] == pytest.approx(losses["ring"], abs=1e-5), losses
     monkeypatch.setattr(registry, "_ROWS", dict(registry._ROWS))    # this process's registry as it was after
     _register_toy()
-    from megatron_cp_plugin import cost_model as cm
+    from megatron_cp_plugin import cost as cm
     from megatron_cp_plugin.bench import plan
     from megatron_cp_plugin.megatron.args import CPConfig
     from megatron_cp_plugin.training.config import parse_args

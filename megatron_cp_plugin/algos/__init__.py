@@ -6,8 +6,8 @@ import torch.distributed as dist
 
 from ..comm import CommStats, CPGrid, get_grid, resolve_group
 from ..kernels.local_attn import select_backend
-from ..sharding import algo_documents
 from . import registry
+from ._layout import algo_documents
 from ._packing import Packing
 from .registry import layout_of, names
 

@@ -1,7 +1,7 @@
 """What a context-parallel attention algorithm is: one row each, and the one place that lists them.
 
 A row (`Algorithm`) holds everything the rest of the plugin asks of an algorithm: its sequence layout (which
-tokens a rank holds; sharding.py places them), so the multiple the sequence length must be (`divisor`), its
+tokens a rank holds; _layout.py places them), so the multiple the sequence length must be (`divisor`), its
 family (a --context-parallel-algo value that lets the cost model pick among the family's members, e.g.
 `attention2d`), whether it runs on an R x C grid (`--cp-grid`, comm.CPGrid), its implementation and its
 cost-model entry, and the line docs and --help show. Everything else is derived from the rows: the flag's
@@ -9,7 +9,8 @@ choices (`flag_choices`), `auto`'s candidates (`candidates`), the layouts shardi
 (`layout_of`), the cost model's dispatch, and docs/design.md's table of algorithms (tests/test_registry.py).
 
 Implementations and cost entries are named by "module:function" paths (relative to this package) and
-imported on first use, so reading rows (flag parsing, the cost model) imports no algorithm. Adding an
+imported on first use, so reading rows (flag parsing, the cost model) imports no algorithm, and no module of
+algos/ imports the cost package, which imports this one (tests/test_layering.py). Adding an
 algorithm touches its own file, its row here and its cost-model entry; `register` adds one at run time.
 
 The shard-length rule lives here once: `divisor(algo, P)` (2P for zigzag, P for cyclic) and `check_length`.
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 CHUNKS_PER_RANK = {"zigzag": 2, "cyclic": 1}
-"""Each layout sharding.py implements -> the equal chunks of the sequence a rank holds: zigzag holds chunks r and
+"""Each layout _layout.py implements -> the equal chunks of the sequence a rank holds: zigzag holds chunks r and
 2P-1-r of 2P, cyclic every P-th token (P chunks of one token per round)."""
 
 DEFAULT_ALGO = "attention2d"
@@ -52,7 +53,7 @@ class Algorithm:
     """(q, k, v, *, group, causal, softmax_scale, backend, comm_stats, packing) -> o, or its "module:function"
     path; `group` is a CPGrid when `grid`, else a process group."""
     cost: str | Callable
-    """The cost-model entry (algo, Problem, Hardware, rank=None) -> cost_model.Prediction: its bytes per rank
+    """The cost-model entry (algo, Problem, Hardware, rank=None) -> cost.Prediction: its bytes per rank
     (equal to its CommStats counters), FLOPs and predicted seconds; or its "module:function" path."""
     description: str
     """One line for docs and --help."""
@@ -192,25 +193,25 @@ def unit_words(algo: str, world: int) -> str:
 
 # ----------------------------------------------------------------------------------------------- the rows
 for _row in (
-    Algorithm("ring", "zigzag", "ring", False, ".ring:ring_attention", "..cost_model:ring_family_cost",
+    Algorithm("ring", "zigzag", "ring", False, ".ring:ring_attention", "..cost.model:ring_family_cost",
               "the zigzag ring, what TransformerEngine's `cp_comm_type=p2p` does"),
-    Algorithm("burst", "zigzag", "ring", False, ".burst:burst_attention", "..cost_model:ring_family_cost",
+    Algorithm("burst", "zigzag", "ring", False, ".burst:burst_attention", "..cost.model:ring_family_cost",
               "BurstAttention (Alg. 1-2): ring forward; the backward keeps K, V and circulates Q, dQ, dO, D, lse"),
     Algorithm("attention2d-no", "cyclic", "attention2d", True, ".attention2d:attention2d_no",
-              "..cost_model:attention2d_cost",
+              "..cost.model:attention2d_cost",
               "Attention2D (Alg. 1-3): an R x C grid of GPUs, cyclic tokens, NCCL collectives"),
     Algorithm("attention2d-o", "cyclic", "attention2d", True, ".attention2d_o:attention2d_o",
-              "..cost_model:attention2d_cost", "the same with overlapped ring communication (Alg. 4-11)"),
+              "..cost.model:attention2d_cost", "the same with overlapped ring communication (Alg. 4-11)"),
     Algorithm("allgather", "zigzag", "allgather", False, ".allgather:allgather_attention",
-              "..cost_collective:allgather_cost",
+              "..cost.collective:allgather_cost",
               "K, V all-gathered, dK, dV summed at their owners: TransformerEngine's `cp_comm_type=all_gather`"),
-    Algorithm("ulysses", "zigzag", "ulysses", False, ".ulysses:ulysses_attention", "..cost_collective:ulysses_cost",
+    Algorithm("ulysses", "zigzag", "ulysses", False, ".ulysses:ulysses_attention", "..cost.collective:ulysses_cost",
               "DeepSpeed-Ulysses: all-to-all from sequence to head shards, local attention, all-to-all back"),
     Algorithm("ulysses-ring", "zigzag", "ulysses-ring", True, ".ulysses_ring:ulysses_ring_attention",
-              "..cost_collective:ulysses_ring_cost",
+              "..cost.collective:ulysses_ring_cost",
               "USP / LoongTrain: Ulysses inside R x C grid rows of C ranks, the zigzag ring across the R rows",
               default_grid=".ulysses_ring:default_grid"),
-    Algorithm("ring-te", "zigzag", "ring", False, ".ring:ring_te_attention", "..cost_model:ring_family_cost",
+    Algorithm("ring-te", "zigzag", "ring", False, ".ring:ring_te_attention", "..cost.model:ring_family_cost",
               "the ring with TransformerEngine's p2p byte budget (dK, dV in the input dtype at every hop)",
               baseline=True),
 ):

@@ -52,6 +52,7 @@ from ..comm import CommStats, all_to_all
 from ..kernels.local_attn import acc_dtype, block_bwd, block_fwd
 from ..kernels.segments import Segments, to_device
 from ._function import CPAttention
+from ._layout import layout_positions
 from ._packing import Packing, _zigzag_order
 from . import ring as _ring
 
@@ -127,8 +128,6 @@ class HeadsPlan:
 
 @functools.lru_cache(maxsize=64)
 def _order(seq_len, offsets, world, members, groups, ring_rank, causal):
-    from ..sharding import layout_positions                                      # sharding imports algos
-
     got = torch.cat([layout_positions(seq_len, "zigzag", rank=p, world_size=world, cu_seqlens=offsets)
                      for p in members])
     # Wanted: this group's rows as a zigzag shard over the G groups (G = 1: token order), which is what

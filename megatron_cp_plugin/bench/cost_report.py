@@ -29,8 +29,8 @@ from pathlib import Path
 
 from ..algos.registry import names
 from . import cost_scale, cost_step
-from ..cost_model import (DECODE_METHODS, FA2_H100, HARDWARE, DecodeProblem, Hardware, Problem, choose_algo,
-                          predict, predict_decode)
+from ..cost import (DECODE_METHODS, FA2_H100, HARDWARE, DecodeProblem, Hardware, Problem, choose_algo, predict,
+                    predict_decode)
 
 # The repository's docs/results, next to the package: the measured figures are data of the repository, not of
 # the installed package, which imports and predicts without them.

@@ -16,13 +16,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from ..cost_model import HARDWARE, Hardware, Problem, comm_bytes, predict
+from ..cost import HARDWARE, Hardware, Problem, comm_bytes, predict
 
 SCALE_ALGOS = ("ring-te", "ring", "burst", "attention2d-no", "attention2d-o")
 LINKS_GBPS = (100, 200, 400)
 WORLDS = (16, 32, 64)
 USABLE = 0.9
-"""Fraction of a NIC's line rate NCCL moves (cost_hardware._NDR: 45 GB/s of NDR's 50)."""
+"""Fraction of a NIC's line rate NCCL moves (cost/hardware.py _NDR: 45 GB/s of NDR's 50)."""
 # Issue 16's targets: P -> (grid, bytes ratio to ring-te the chosen Attention2D variant must reach, today's).
 BYTES_TARGETS = {4: ((2, 2), 0.78, 0.95), 16: ((4, 4), 0.45, 0.54), 64: ((8, 8), 0.25, 0.29)}
 

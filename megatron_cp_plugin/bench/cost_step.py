@@ -7,13 +7,13 @@ ring's). A step's time follows from its MFU: model FLOPs (training/report.py's f
 peak), peak = the 784 TFLOP/s bf16 matmul peak measured on these H200s (docs/performance.md). Predicted step =
 the rest of the step (everything but attention, the same for every algorithm: taken from ring's measured step
 minus the model's 32 ring attention layers, so ring's row matches by construction) + 32 x the model's attention
-layer (fwd + bwd) of the algorithm, with each algorithm's compute factor from cost_compute.py (the fit of
+layer (fwd + bwd) of the algorithm, with each algorithm's compute factor from cost/compute.py (the fit of
 `megatron-cp-bench rank`) and, beside it, the analytic compute (factor 1.0).
 """
 from __future__ import annotations
 
-from .. import cost_compute
-from ..cost_model import HARDWARE, Problem, predict
+from ..cost import HARDWARE, Problem, predict
+from ..cost import compute as cost_compute
 
 MEASURED_MFU = {"ring": 0.388, "attention2d-no": 0.354, "attention2d-o": 0.362}   # 2026-11-22, issue 26
 PEAK = 784e12

@@ -47,7 +47,7 @@ def memory_bandwidth(device: torch.device, override: float | None = None) -> flo
 
 def hardware_of(device: torch.device):
     """The cost model's hardware preset for this device (H100: h100-ib; otherwise h200-nvlink)."""
-    from ..cost_model import HARDWARE
+    from ..cost import HARDWARE
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
     return HARDWARE["h100-ib" if "H100" in name else "h200-nvlink"]

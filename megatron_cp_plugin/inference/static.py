@@ -137,7 +137,7 @@ class StaticDecoder:
 
     # ------------------------------------------------------------------------------------------ set-up
     def _choose_variant(self, context: int) -> tuple[str, str]:
-        from .. import cost_model as cm
+        from .. import cost as cm
         from .floor import hardware_of
 
         hw = hardware_of(self.device)

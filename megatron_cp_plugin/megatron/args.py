@@ -1,7 +1,7 @@
 """Megatron flags for the plugin (an `extra_args_provider`) and the small typed config they map to.
 
 `--context-parallel-algo auto` (and `attention2d`, which picks attention2d-no or -o) is resolved at start-up,
-in `CPConfig`, by the cost model (`megatron_cp_plugin.cost_model.choose_algo`) from the model's shape, the CP
+in `CPConfig`, by the cost model (`megatron_cp_plugin.cost.choose_algo`) from the model's shape, the CP
 size and `--cp-hardware`; rank 0 prints the choice and the predicted times in one line.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 
 from ..algos import registry
-from ..cost_model import HARDWARE, Problem, best_grid, choose_algo
+from ..cost import HARDWARE, Problem, best_grid, choose_algo
 
 DEFAULT_HARDWARE = "h200-nvlink"
 
@@ -37,7 +37,7 @@ def add_cp_args(parser: argparse.ArgumentParser, default: str | None = None) -> 
                    help="GPUs per node: Attention2D keeps grid rows inside a node")
     # default None (= DEFAULT_HARDWARE) so that the choice line knows whether the user asked for a cluster
     g.add_argument("--cp-hardware", choices=sorted(HARDWARE), default=None,
-                   help=f"the cluster the cost model assumes for auto / attention2d (cost_model.HARDWARE; default "
+                   help=f"the cluster the cost model assumes for auto / attention2d (cost.HARDWARE; default "
                         f"{DEFAULT_HARDWARE}; --cp-gpus-per-node overrides its GPUs per node)")
     return parser
 
@@ -69,7 +69,7 @@ class CPConfig:
     dtype_bytes: int = 2
     """Element size of q, k, v (2 for bf16/fp16, 4 for fp32)."""
     hardware: str = DEFAULT_HARDWARE
-    """cost_model.HARDWARE preset the cost model assumes."""
+    """cost.HARDWARE preset the cost model assumes."""
     requested: str | None = None
     """The flag value before resolution ("auto" or "attention2d"); None when a concrete algo was given."""
     predicted: dict | None = None

@@ -1,6 +1,6 @@
 """The cost-model entries of the collective algorithms: allgather (algos/allgather.py), ulysses
 (algos/ulysses.py) and ulysses-ring (algos/ulysses_ring.py). Each row of algos/registry.py names its entry here;
-cost_model.py holds the ring and Attention2D entries and the shared Problem, Prediction and `choose_algo`.
+model.py holds the ring and Attention2D entries and the shared Problem, Prediction and `choose_algo`.
 
 Bytes are exactly what the algorithms' CommStats counters count (tests/test_cost_model.py, test_cp_attention.py
 assert equality on gloo), with comm.py's convention (an all-gather or all-to-all over g ranks sends g - 1
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import math
 
-from .cost_hardware import ADD_BYTES, MERGE_BYTES, overlapped, phase_link
-from .cost_model import Prediction, Problem, _sizes, attention_flops
+from .hardware import ADD_BYTES, MERGE_BYTES, overlapped, phase_link
+from .model import Prediction, Problem, _sizes, attention_flops
 
 
 # ----------------------------------------------------------------------------------------------- bytes
@@ -33,7 +33,7 @@ def heads_allow(h: int, h_kv: int, u: int) -> bool:
 
 def _kv_counts(pb: Problem, u: int) -> list[int]:
     """k_j, the K, V heads member j of an all-to-all over u ranks gets."""
-    from .algos.ulysses import kv_spans  # noqa: PLC0415
+    from ..algos.ulysses import kv_spans  # noqa: PLC0415
 
     return [hi - lo for lo, hi in kv_spans(pb.heads, pb.kv_heads, u)]
 
@@ -66,7 +66,7 @@ def ulysses_bytes(pb: Problem, u: int | None = None, rank: int | None = None) ->
 
 def ulysses_grid(pb: Problem) -> tuple[int, int]:
     """ulysses-ring's (R, U): pb.grid, else the runtime default (algos/ulysses_ring.py `default_grid`)."""
-    from .algos import registry  # noqa: PLC0415
+    from ..algos import registry  # noqa: PLC0415
 
     return pb.grid or registry.get("ulysses-ring").grid_shape(pb.world, pb.heads, pb.kv_heads)
 
@@ -107,7 +107,6 @@ def allgather_cost(algo: str, pb: Problem, hw, rank: int | None = None) -> Predi
 
 
 def _heads_cost(algo: str, pb: Problem, hw, R: int, U: int, grid, rank: int | None) -> Prediction:
-    P = pb.world
     if not heads_allow(pb.heads, pb.kv_heads, U):
         return _infeasible(algo, pb, grid)
     s, n_q, _, _, e, acc = _sizes(pb)
@@ -123,7 +122,7 @@ def _heads_cost(algo: str, pb: Problem, hw, R: int, U: int, grid, rank: int | No
         fwd = ta(q_chunk + kv_chunk) + F / hw.fwd_tflops + ta(q_chunk)
         bwd = ta(q_chunk) + B / hw.bwd_tflops + ta(q_chunk + kv_chunk)
         return Prediction(algo, fwd, bwd, fwd_bytes, bwd_bytes, F, B, grid)
-    # The ring across the groups on the head-sharded tensors, timed as ring.py's (cost_model.ring_family_cost).
+    # The ring across the groups on the head-sharded tensors, timed as ring.py's (model.ring_family_cost).
     cols = [[i * U + j for i in range(R)] for j in range(U)]
     link = phase_link(cols, hw, p2p=True)
     n_kv = pb.batch * U * s * k_u * pb.head_dim

@@ -1,6 +1,6 @@
 """Each algorithm's per-rank compute in the cost model, from one-GPU measurements of its local work (issue 26).
 
-cost_model.py times a rank's compute from FLOPs at the kernel's rate plus modelled merges and accumulator adds.
+model.py times a rank's compute from FLOPs at the kernel's rate plus modelled merges and accumulator adds.
 The local work that really runs (kernel calls per block pair, casts, copies, merges; `megatron-cp-bench rank`,
 bench/rank_replay.py) costs each algorithm a different amount more than that. The benchmark measures, per
 algorithm, grid and P, the rank's fwd+bwd time over the ideal (one GPU's causal attention over the whole
@@ -23,7 +23,7 @@ import json
 import math
 from pathlib import Path
 
-FIT_PATH = Path(__file__).resolve().parent / "configs" / "rank_compute.json"
+FIT_PATH = Path(__file__).resolve().parents[1] / "configs" / "rank_compute.json"   # megatron_cp_plugin/configs
 _ENABLED = [True]
 
 
@@ -55,7 +55,7 @@ def factor(algo: str, world: int, grid: tuple[int, int] | None = None, path: str
 
 
 def scaled(algo: str, pb, hw):
-    """hw with its compute rates divided by `algo`'s factor for problem pb (cost_model.Problem)."""
+    """hw with its compute rates divided by `algo`'s factor for problem pb (model.Problem)."""
     grid = pb.attention2d_grid() if algo.startswith("attention2d") else None
     x = factor(algo, pb.world, grid)
     if x == 1.0:

@@ -1,4 +1,4 @@
-"""The hardware side of the cost model (cost_model.py, cost_decode.py): cluster presets and the time a phase's
+"""The hardware side of the cost model (model.py, collective.py, decode.py): cluster presets and the time a phase's
 bytes take over the links it crosses.
 
 A phase's link is the slowest one its ring or collective crosses: intra-node, or inter-node when its members span
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 # unfused elementwise kernels: measured 0.532 ms for 33.5M elements and 1.73 ms for 134M on H200
 # (docs/results/local_attn.md), i.e. 54-67 bytes per element at the measured 4.2 TB/s copy bandwidth. It is now
 # five kernels with one pass over o (about 18 bytes per element by count, not yet timed on a GPU); the 60 stays
-# until `megatron-cp-bench rank` measures it, and its fitted factors (cost_compute.py) absorb the difference.
+# until `megatron-cp-bench rank` measures it, and its fitted factors (compute.py) absorb the difference.
 MERGE_BYTES = 60
 # A gradient-accumulator add (fp32 += block result): read 4 + 4, write 4.
 ADD_BYTES = 12

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from .cost_hardware import MERGE_BYTES, Hardware, Link, check_int, overlapped, phase_link
+from .hardware import MERGE_BYTES, Hardware, Link, check_int, overlapped, phase_link
 
 DECODE_METHODS = ("tree-allreduce3", "tree-allreduce2", "tree-allgather", "ring-decode")
 # Decode is launch-bound: its kernels take microseconds, and PyTorch's eager dispatch + CUDA launch costs ~5-10 us
