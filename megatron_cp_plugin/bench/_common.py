@@ -126,12 +126,15 @@ def attention_flop(b: int, s: int, h: int, d: int, causal: bool, backward: bool)
     return f * 3.5 if backward else f
 
 
-def write_report(rows: list[dict], path_stem: str, header: str, plot: tuple[str, str, str] | None = None) -> str:
-    """Write rows as JSON and a markdown table (path_stem.json, path_stem.md), and with plot = (x, y, series)
-    column names a PNG (path_stem.png; needs matplotlib, else `megatron-cp-bench plot` draws it later from
-    the JSON). Returns the markdown. The JSON keeps the exact command and the device. Rows of configurations that
-    did not run (a `not_run` reason, e.g. not_fitting's line) keep their place, with the reason in the last
-    column and the measured columns empty, and are left out of the plot."""
+def write_report(rows: list[dict], path_stem: str, header: str, plot: tuple[str, str, str] | dict | None = None,
+                 draw: bool = True) -> str:
+    """Write rows as JSON and a markdown table (path_stem.json, path_stem.md), and with `plot` a PNG
+    (path_stem.png; needs matplotlib, else `megatron-cp-bench plot` draws it later from the JSON): a figure kind
+    of bench/plots.py ({"kind": "attention"}, {"kind": "rank"}) or (x, y, series) column names, one log-log line
+    per series. draw=False: the JSON names the figure, none is drawn (a report rewritten after every row).
+    Returns the markdown. The JSON keeps the exact command and the device. Rows of configurations that did not
+    run (a `not_run` reason, e.g. not_fitting's line) keep their place, with the reason in the last column and
+    the measured columns empty, and get no bar or point in the figure."""
     os.makedirs(os.path.dirname(path_stem) or ".", exist_ok=True)
     cols = list(dict.fromkeys(c for r in rows for c in r if c != "not_run"))
     cols += ["not_run"] if any("not_run" in r for r in rows) else []
@@ -146,8 +149,9 @@ def write_report(rows: list[dict], path_stem: str, header: str, plot: tuple[str,
                   f, indent=1)
     with open(path_stem + ".md", "w") as f:
         f.write(text)
-    if plot is not None:
-        plot_rows(rows, path_stem + ".png", *plot, title=header.split(".")[0])
+    if plot is not None and draw:
+        from .plots import draw as draw_figure
+        draw_figure(rows, path_stem + ".png", plot, header=header, device=device)
     return text
 
 
@@ -155,28 +159,8 @@ def _cell(v) -> str:
     return f"{v:.3g}" if isinstance(v, float) else str(v)
 
 
-def plot_rows(rows, png: str, x: str, y: str, series: str, title: str = "") -> bool:
-    """A log-log line per `series` value of y against x (rows without y, such as not-run ones, left out); False
-    (and a message) without matplotlib."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"(no matplotlib: {png} not drawn; pip install matplotlib, then megatron-cp-bench plot)")
-        return False
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    rows = [r for r in rows if y in r and "not_run" not in r]
-    for name in dict.fromkeys(r[series] for r in rows):
-        pts = sorted((r[x], r[y]) for r in rows if r[series] == name)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=str(name))
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel(x)
-    ax.set_ylabel(y)
-    ax.set_title(title[:90], fontsize=8)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
-    return True
+def plot_rows(rows, png: str, x: str, y: str, series: str, title: str = ""):
+    """A log-log line per `series` value of y against x: bench/plots.py's (kept here for its callers)."""
+    from .plots import plot_rows as lines
+
+    return lines(rows, png, x, y, series, title=title)

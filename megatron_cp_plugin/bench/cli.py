@@ -6,7 +6,7 @@
     torchrun --nproc-per-node 2 -m megatron_cp_plugin.bench model --config configs/gpt3-760m.toml --seq-length 65536
     python -m megatron_cp_plugin.bench deft | flash-decode | local-attn | rank | cost-model --table ...
     python -m megatron_cp_plugin.bench plan --config configs/gpt3-175b.toml --gpus 64 --gpu-mem 80
-    python -m megatron_cp_plugin.bench plot results/attention.json
+    python -m megatron_cp_plugin.bench plot [--kind attention|rank] results/attention.json
 
 Subcommands that need several GPUs run under torchrun (more ranks than GPUs: --share-gpu, verification only); each writes JSON (with the command and device), a
 markdown table and, where matplotlib is installed, a PNG next to --out.
@@ -29,7 +29,7 @@ SUBCOMMANDS = {
     "rank": ("megatron_cp_plugin.bench.rank_replay", "one rank's local work per algorithm on one device, vs ideal"),
     "cost-model": ("megatron_cp_plugin.bench.cost_report", "the cost model's tables (--table), one problem (--seq)"),
     "plan": ("megatron_cp_plugin.bench.plan", "per-GPU memory of a config under ZeRO-1/2/3, pipeline stages, recompute"),
-    "plot": (None, "draw the PNG of a result JSON (when it was written without matplotlib)"),
+    "plot": (None, "draw the PNG of a result JSON again (bench/plots.py; --kind attention|rank for older JSONs)"),
 }
 
 
@@ -50,13 +50,18 @@ def main(argv=None):
     if cmd not in SUBCOMMANDS:
         raise SystemExit(f"megatron-cp-bench: unknown subcommand {cmd!r}; expected one of {', '.join(SUBCOMMANDS)}")
     if cmd == "plot":
-        from ._common import plot_rows
+        from .plots import draw
+        kind = None                        # --kind attention|rank: that figure for a JSON that names none or lines
+        if rest[:1] == ["--kind"] and len(rest) > 1:
+            kind, rest = rest[1], rest[2:]
         for path in rest:
             with open(path) as f:
                 res = json.load(f)
-            if not res.get("plot"):
-                raise SystemExit(f"{path} names no plot columns")
-            plot_rows(res["rows"], path[:-len(".json")] + ".png", *res["plot"], title=res["header"].split(".")[0])
+            spec = {"kind": kind} if kind else res.get("plot")
+            if not spec:
+                raise SystemExit(f"{path} names no figure (its \"plot\" entry); --kind attention or rank draws one")
+            draw(res["rows"], path[:-len(".json")] + ".png", spec, header=res.get("header", ""),
+                 device=res.get("device"))
         return 0
     module = importlib.import_module(SUBCOMMANDS[cmd][0])
     if cmd == "layer":

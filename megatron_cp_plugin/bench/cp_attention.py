@@ -312,7 +312,7 @@ def bench(a, rank, world, dev):
         link = " over sockets (--slow-link)" if a.slow_link else ""
         header = (f"cp_attention: b={a.batch} h={a.heads} h_kv={hk} d={a.head_dim} causal={causal} {dtype} on "
                   f"{world} x {name}{link}. {FLOP_FORMULA}. Median of {a.iters} after {a.warmup} warm-up.")
-        print(write_report(rows, a.out, header, plot=("S", "fwd_bwd_ms", "algo")))
+        print(write_report(rows, a.out, header, plot={"kind": "attention"}))     # bench/plots.py
     return rows
 
 

@@ -43,8 +43,9 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .. import comm, cost_compute
-from ..cost_model import HARDWARE, Problem, predict
+from .. import comm
+from ..cost import compute as cost_compute
+from ..cost import HARDWARE, Problem, predict
 from ..algos.attention2d import attention2d_no
 from ..algos.attention2d_o import attention2d_o
 from ..algos.burst import burst_attention
@@ -424,9 +425,9 @@ def main(argv=None):
                         torch.cuda.empty_cache()
                     print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
                           flush=True)
-                    write_report(rows, a.out, header)              # what ran so far survives a killed run
+                    write_report(rows, a.out, header, plot={"kind": "rank"}, draw=False)  # survives a kill
                 del shards
-    print(write_report(rows, a.out, header))
+    print(write_report(rows, a.out, header, plot={"kind": "rank"}))     # bench/plots.py's rank_figure
     if a.fit_out:
         import sys
         with open(a.fit_out, "w") as fh:
