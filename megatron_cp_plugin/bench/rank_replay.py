@@ -24,7 +24,7 @@ at the first length of each (algo, grid, P, heads) and the slowest is timed (--r
                      the replayed receives
   copy_MB            bytes the replayed receives copy per fwd+bwd (what the wire would have written)
   x_model            x_ideal over the cost model's own x_ideal for that rank (its compute-only prediction over
-                     the ideal at its kernel rates): the factor cost_compute.py applies; --fit-out PATH writes
+                     the ideal at its kernel rates): the factor cost/compute.py applies; --fit-out PATH writes
                      their means per (algo, grid, P) as the cost model's fit (megatron_cp_plugin/configs/
                      rank_compute.json)
 Memory: before a row (or a one-device ideal) allocates anything, its need from the shapes (`replay_need`) is
@@ -250,7 +250,7 @@ def fit(rows, command: str, device: str) -> dict:
         for key in keys:
             acc.setdefault(key, {}).setdefault(str(r["P"]), []).append(r["x_model"])
     factors = {k: {P: statistics.fmean(xs) for P, xs in per.items()} for k, per in acc.items()}
-    return {"about": "Per-algorithm compute factors of the cost model (megatron_cp_plugin/cost_compute.py): a "
+    return {"about": "Per-algorithm compute factors of the cost model (megatron_cp_plugin/cost/compute.py): a "
                      "rank's measured fwd+bwd local work over the ideal, divided by the model's own ratio; mean "
                      "over the problems (lengths, MHA / GQA) of each algorithm, grid and P.",
             "source": f"{command} on {device}", "factors": factors}
@@ -350,7 +350,8 @@ def main(argv=None):
                    "(the rows left are reported as not run)")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="of q, k, v (bf16 also on CPU, so that "
                    "its casts are counted as on a GPU)")
-    p.add_argument("--out", default="results/rank_replay", help="writes OUT.json and OUT.md")
+    p.add_argument("--out", default="results/rank_replay",
+                   help="writes OUT.json, OUT.md and OUT.png (the figure, with matplotlib)")
     p.add_argument("--fit-out", default=None, metavar="PATH", help="also write the cost model's compute factors "
                    "(megatron_cp_plugin/configs/rank_compute.json is the one it reads)")
     a = p.parse_args(argv)
