@@ -35,8 +35,8 @@ from __future__ import annotations
 import torch
 
 from ..comm import CommStats, CPGrid, all_gather, all_to_all, kv_moves, permute, reduce_at_owner
-from ..kernels.local_attn import acc_dtype, attention_delta, block_bwd, block_fwd, surrogate_out
-from ..kernels.merge import finite_lse, merge_
+from ..kernels.local_attn import acc_dtype, attention_delta, block_bwd_into, block_fwd_into, surrogate_out
+from ..kernels.merge import finite_lse
 from ._function import CPAttention
 
 
@@ -65,7 +65,6 @@ def attn_fix_all_to_all(grid: CPGrid, o_part, lse_part, stats=None):
     o_part [C, b, s, h, d] and lse_part [C, b, h, s] in the accumulator dtype (chunk c = queries of row member
     c) -> this rank's (o, lse). The partials travel as they are (fp32: docs/design.md, wire precision).
     """
-    me = grid.j                                                     # this rank's index in its row group
     if grid.cols == 1:
         return o_part[0], lse_part[0]
     o_all, lse_all = all_to_all(grid.row, [o_part, lse_part], stats)
@@ -92,13 +91,8 @@ def _forward(grid: CPGrid, q, k, v, *, causal, scale, backend, stats=None, packi
     for c in range(C):
         for r in range(R):
             mask = pair_mask(grid.row_ranks[c], grid.kv_owner(r, grid.j), causal)
-            o_b, lse_b = block_fwd(q_all[c], kv_all[r, 0], kv_all[r, 1], mask=mask, scale=scale, backend=backend,
-                                   cu_seqlens_q=seg)
-            if r == 0:
-                o_part[c].copy_(o_b)
-                lse_part[c].copy_(lse_b)
-            else:
-                merge_(o_part[c], lse_part[c], o_b, lse_b)
+            block_fwd_into(o_part[c], lse_part[c], q_all[c], kv_all[r, 0], kv_all[r, 1], first=r == 0, mask=mask,
+                           scale=scale, backend=backend, cu_seqlens_q=seg)
     # Lines 6-7: the partials to their owners in the row, merged there (AttnFix).
     o, lse = attn_fix_all_to_all(grid, o_part, lse_part, stats)
     o = o.to(q.dtype)
@@ -123,11 +117,9 @@ def _backward(grid: CPGrid, do, q, kv, o, lse, *, causal, scale, backend, stats=
         o_c = surrogate_out(do_all[c], stat_all[c, 0])     # O is not gathered: built once for the R key chunks
         for r in range(R):
             mask = pair_mask(grid.row_ranks[c], grid.kv_owner(r, grid.j), causal)
-            dq_b, dk_b, dv_b = block_bwd(do_all[c], q_all[c], kv_all[r, 0], kv_all[r, 1], o_c, stat_all[c, 1],
-                                         mask=mask, scale=scale, backend=backend, cu_seqlens_q=seg)
-            (dq_part[c].copy_ if r == 0 else dq_part[c].add_)(dq_b)
-            (dkv_part[r, 0].copy_ if c == 0 else dkv_part[r, 0].add_)(dk_b)
-            (dkv_part[r, 1].copy_ if c == 0 else dkv_part[r, 1].add_)(dv_b)
+            block_bwd_into(dq_part[c], dkv_part[r, 0], dkv_part[r, 1], do_all[c], q_all[c], kv_all[r, 0],
+                           kv_all[r, 1], o_c, stat_all[c, 1], first_q=r == 0, first_kv=c == 0, mask=mask,
+                           scale=scale, backend=backend, cu_seqlens_q=seg)
     # Lines 7-9: dQ summed at its owner in the row, dK, dV in the column, then back to column-major.
     dq = reduce_at_owner(grid.row, dq_part, grid.j, acc, stats, ph)      # fp32: see the module docstring
     dkv = reduce_at_owner(grid.col, dkv_part, grid.i, q.dtype, stats, ph).to(q.dtype)

@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from ..comm import CommStats, CPGrid, Ring, wire_bytes
-from ..kernels.local_attn import acc_dtype, attention_delta, block_bwd, block_fwd, surrogate_out
+from ..kernels.local_attn import acc_dtype, attention_delta, block_bwd_into, block_fwd_into, surrogate_out
 from ..kernels.merge import merge_
 from ._function import CPAttention
 from .attention2d import kv_to_row_major, pair_mask
@@ -61,6 +61,7 @@ def _forward(grid: CPGrid, q, k, v, *, causal, scale, backend, stats=None, packi
     kv_chunks = [None] * R                           # K, V chunk of every grid row, filled by pass 0 (Alg. 5)
     kv_chunks[i] = kv
     q_blk, own, incoming = q, None, None
+    lse_shape = (q.shape[0], q.shape[2], q.shape[1])
     for t in range(C):                               # t = 0: GthrCmpt (Alg. 5); t >= 1: GthrCmptSctr (Alg. 6)
         if t + 1 < C:                                # Alg. 4 line 4 / Alg. 6 line 4: pass the Q block on
             q_next = q_ring.send_recv((q_blk,))
@@ -71,12 +72,12 @@ def _forward(grid: CPGrid, q, k, v, *, causal, scale, backend, stats=None, packi
             if t == 0 and u + 1 < R:                 # Alg. 5 line 4: pass it up the column while computing
                 kv_next = kv_ring.send_recv((kv_chunks[kv_row],))
             mask = pair_mask(q_res, grid.kv_owner(kv_row, j), causal)
-            o_b, lse_b = block_fwd(q_blk, kv_chunks[kv_row][0], kv_chunks[kv_row][1], mask=mask, scale=scale,
-                                   backend=backend, cu_seqlens_q=seg)           # Alg. 5 / 6 line 5
-            if o_t is None:
-                o_t, lse_t = o_b.to(acc), lse_b                 # (the kernel's own lse: no copy)
-            else:
-                merge_(o_t, lse_t, o_b, lse_b)                                  # Alg. 5 line 6: AttnFix
+            if o_t is None:                          # this pass's partial, set by its first block's result
+                o_t = torch.empty(q_blk.shape, dtype=acc, device=q.device)
+                lse_t = torch.empty(lse_shape, dtype=acc, device=q.device)
+            # Alg. 5 / 6 line 5, and line 6 (AttnFix) into the pass's partial
+            block_fwd_into(o_t, lse_t, q_blk, kv_chunks[kv_row][0], kv_chunks[kv_row][1], first=u == 0, mask=mask,
+                           scale=scale, backend=backend, cu_seqlens_q=seg)
             if t == 0 and u + 1 < R:                 # the next hop's chunk (grid row i - u - 1) has arrived
                 kv_ring.wait()
                 kv_chunks[(kv_row - 1) % R] = kv_next[0]
@@ -127,11 +128,12 @@ def _backward(grid: CPGrid, do, q, kv, o, lse, *, causal, scale, backend, stats=
             if t == 0 and u + 1 < R:                 # Alg. 9 line 4: pass it up the column while computing
                 kv_next = kv_ring.send_recv((kv_chunks[kv_row],))
             mask = pair_mask(q_res, grid.kv_owner(kv_row, j), causal)
-            dq_b, dk_b, dv_b = block_bwd(do_j, q_j, kv_chunks[kv_row][0], kv_chunks[kv_row][1], o_j, lse_j,
-                                         mask=mask, scale=scale, backend=backend, cu_seqlens_q=seg)
-            dq_t = dq_b.to(acc) if dq_t is None else dq_t.add_(dq_b)
-            (dkv_part[kv_row, 0].copy_ if t == 0 else dkv_part[kv_row, 0].add_)(dk_b)   # pass 0 meets every chunk
-            (dkv_part[kv_row, 1].copy_ if t == 0 else dkv_part[kv_row, 1].add_)(dv_b)   # first
+            first_q = dq_t is None
+            if first_q:
+                dq_t = torch.empty(q.shape, dtype=acc, device=q.device)
+            block_bwd_into(dq_t, dkv_part[kv_row, 0], dkv_part[kv_row, 1], do_j, q_j, kv_chunks[kv_row][0],
+                           kv_chunks[kv_row][1], o_j, lse_j, first_q=first_q, first_kv=t == 0, mask=mask,
+                           scale=scale, backend=backend, cu_seqlens_q=seg)   # pass 0 meets every chunk first
             if last and u > 0:                       # Alg. 11 line 14: chunk kv_row is final here; pass it on
                 if dkv_in is not None:
                     dkv_ring.wait()

@@ -23,6 +23,7 @@ import torch
 
 from ..comm import CommStats, Ring
 from ..kernels.local_attn import acc_dtype, attention_delta, block_bwd, surrogate_out
+from ..kernels.merge import accumulate_
 from ._function import CPAttention, in_zigzag_order, saving_inputs
 from ._zigzag import ALL, zigzag_blocks
 from .ring import ring_forward
@@ -61,8 +62,8 @@ def _backward(group, do, q, k, v, o, lse, *, causal, scale, backend, stats=None,
                 if dk is None:                                  # packed: step 0 comes in pieces
                     dk = torch.zeros(k.shape, dtype=acc, device=k.device)
                     dv = torch.zeros_like(dk)
-                dk[:, ks].add_(dk_b)
-                dv[:, ks].add_(dv_b)
+                accumulate_(dk[:, ks], dk_b)
+                accumulate_(dv[:, ks], dv_b)
             dq_blocks.append((qs, dq_b))
         if step == 0 and len(dq_blocks) == 1 and dq_blocks[0][0] == ALL:
             dq_acc = dq_blocks.pop()[1].to(acc)                 # own block, one call over all rows: its result
@@ -74,7 +75,7 @@ def _backward(group, do, q, k, v, o, lse, *, causal, scale, backend, stats=None,
             ring_dq.wait()                                      # after the compute: the transfer overlapped it
             (dq_acc,) = dq_in
         for qs, dq_b in dq_blocks:
-            dq_acc[:, qs].add_(dq_b)
+            accumulate_(dq_acc[:, qs], dq_b)
         if step == 0:
             dq_own = dq_acc
         else:

@@ -20,7 +20,7 @@ import torch
 
 from ..comm import CommStats, Ring
 from ..kernels.local_attn import acc_dtype, block_bwd, block_fwd
-from ..kernels.merge import merge_
+from ..kernels.merge import accumulate_, merge_
 from ._function import CPAttention, in_zigzag_order, saving_inputs
 from ._zigzag import ALL, zigzag_blocks
 
@@ -74,7 +74,7 @@ def _backward(group, do, q, k, v, o, lse, *, causal, scale, backend, stats=None,
                 continue
             if dq is None:                                      # packed: step 0 comes in pieces
                 dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-            dq[:, qs].add_(dq_b)
+            accumulate_(dq[:, qs], dq_b)
             dkv_blocks.append((ks, dk_b, dv_b))
         if step == 0 and not dkv_blocks:
             # Own block (step 0), one call over all keys: its result starts our dK, dV accumulator (kept here,
@@ -89,8 +89,8 @@ def _backward(group, do, q, k, v, o, lse, *, causal, scale, backend, stats=None,
             ring_dkv.wait()                                     # after the compute: the transfer overlapped it
             dk_acc, dv_acc = (t.to(acc) for t in dkv_in)
         for ks, dk_b, dv_b in dkv_blocks:
-            dk_acc[:, ks].add_(dk_b)
-            dv_acc[:, ks].add_(dv_b)
+            accumulate_(dk_acc[:, ks], dk_b)
+            accumulate_(dv_acc[:, ks], dv_b)
         if step == 0:
             dk_own, dv_own = dk_acc, dv_acc
         else:

@@ -26,6 +26,8 @@ SUBCOMMANDS = {
     "deft": ("megatron_cp_plugin.bench.deft", "DeFT tree-attention workloads against the baselines"),
     "flash-decode": ("megatron_cp_plugin.bench.flash_decode", "the split-KV decode kernel vs prefill kernels"),
     "local-attn": ("megatron_cp_plugin.bench.local_attn", "local attention kernels (cuDNN, FA2, math)"),
+    "merge": ("megatron_cp_plugin.bench.merge", "the fused (o, lse) merge and fp32 accumulation vs PyTorch's ops"),
+    "surrogate": ("megatron_cp_plugin.bench.surrogate", "the fused surrogate-O kernel vs its PyTorch reference"),
     "rank": ("megatron_cp_plugin.bench.rank_replay", "one rank's local work per algorithm on one device, vs ideal"),
     "cost-model": ("megatron_cp_plugin.bench.cost_report", "the cost model's tables (--table), one problem (--seq)"),
     "plan": ("megatron_cp_plugin.bench.plan", "per-GPU memory of a config under ZeRO-1/2/3, pipeline stages, recompute"),

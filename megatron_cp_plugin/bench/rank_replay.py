@@ -18,7 +18,8 @@ at the first length of each (algo, grid, P, heads) and the slowest is timed (--r
                      timed in this run, / P; above --ideal-max-seq, the FLOPs / P at the rate of the longest
                      whole sequence timed (ideal_from says which)
   ops                aten operations that compute (views and allocations not counted; each attention kernel
-                     call counts once, its insides not), per fwd+bwd: the launches of the local work on any device
+                     call and each launch of our Triton kernels counts once, their insides not), per fwd+bwd:
+                     the launches of the local work (on a CPU without Triton, those kernels' PyTorch references)
   attn_calls         attention kernel calls per fwd+bwd
   kernels, memcpy    CUDA only: device kernels and memcpy/memset per fwd+bwd (torch.profiler); memcpy includes
                      the replayed receives
@@ -51,6 +52,7 @@ from ..algos.attention2d_o import attention2d_o
 from ..algos.burst import burst_attention
 from ..algos.ring import ring_attention, ring_te_attention
 from ..kernels import local_attn
+from ..kernels import _launch as kernels_launch
 from ._common import FLOP_FORMULA, attention_flop, not_fitting, write_report
 from .cp_attention import MARGIN, attention_need, input_bytes
 from ._replay_comm import ReplayDist, patched
@@ -110,7 +112,9 @@ _FREE = {"empty", "empty_like", "empty_strided", "_unsafe_view", "detach", "lift
 
 class OpCounter(TorchDispatchMode):
     """Counts the aten ops that compute (not views, not allocations); attention kernels (local_attn's backend
-    tables) count once each with their insides not counted, so a CPU count stands for a GPU's launches."""
+    tables) and our Triton kernels (merge, accumulate, surrogate O) count once per launch with their insides not
+    counted. Where Triton does not run (a CPU without TRITON_INTERPRET=1) those three run as their PyTorch
+    references, whose aten ops are counted: a CPU count is then an upper bound on a GPU's launches."""
 
     def __init__(self):
         super().__init__()
@@ -127,9 +131,9 @@ class OpCounter(TorchDispatchMode):
         tables = [local_attn._FWD, local_attn._BWD, local_attn._VARLEN_FWD, local_attn._VARLEN_BWD]
         saved = [dict(t) for t in tables]
 
-        def wrap(f):
+        def wrap(f, attn=True):
             def call(*a, **k):
-                self.attn += 1
+                self.attn += attn
                 self.ops += 1
                 self.paused += 1
                 try:
@@ -149,6 +153,8 @@ class OpCounter(TorchDispatchMode):
 
         for t in tables:
             t.update({n: wrap(f) for n, f in t.items()})
+        launch = kernels_launch.launch
+        kernels_launch.launch = wrap(launch, attn=False)
         replay.d._fill = quiet_fill
         try:
             with self:
@@ -156,6 +162,7 @@ class OpCounter(TorchDispatchMode):
         finally:
             for t, s in zip(tables, saved):
                 t.update(s)
+            kernels_launch.launch = launch
             del replay.d._fill
 
 

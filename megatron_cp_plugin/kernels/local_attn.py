@@ -46,8 +46,10 @@ import warnings
 import torch
 
 from . import flash_decode as fd
-from .math_attn import empty_result, acc_dtype, attention_delta, math_bwd, math_fwd, math_segments
+from .merge import accumulate_, merge_
+from .math_attn import empty_result, acc_dtype, attention_delta, math_bwd, math_fwd, math_segments  # noqa: F401
 from .segments import Segments, index_tensor, nonempty, strict_view
+from .surrogate import surrogate_out  # noqa: F401  (re-exported: the algorithms' one import of the kernels)
 
 MASKS = ("none", "causal", "causal_strict")
 NONDETERMINISTIC_BWD: frozenset = frozenset({"cudnn"})   # H100, cuDNN 9.19, torch 2.11: 3 runs differ
@@ -67,9 +69,12 @@ def _flash_attn_module():
     return fai
 
 
+@functools.lru_cache(maxsize=None)
 def unsupported(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int,
                 packed: bool = False) -> str | None:
-    """Why `backend` cannot run this block (`packed`: with cu_seqlens), or None when it can."""
+    """Why `backend` cannot run this block (`packed`: with cu_seqlens), or None when it can. Cached: it runs
+    for every block call with an explicit backend, and at 2k tokens a rank the block calls are bound by host
+    time (scripts/launch_cost.py: 30-65 us of host time per cuDNN call on an H200 machine)."""
     if backend == "math":
         return None
     if packed and backend == "cudnn":
@@ -104,17 +109,24 @@ def select_backend(device: torch.device, dtype: torch.dtype, head_dim: int, back
         if why:
             raise ValueError(f"backend={backend!r} cannot run this attention: it {why}")
         return backend
+    name = _auto_backend(device, dtype, head_dim, packed, torch.are_deterministic_algorithms_enabled())
+    if name == "math" and device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
+        warnings.warn(f"no fused attention kernel for head dim {head_dim}: using the slow math kernel", stacklevel=3)
+    return name
+
+
+@functools.lru_cache(maxsize=None)
+def _auto_backend(device: torch.device, dtype: torch.dtype, head_dim: int, packed: bool, deterministic: bool) -> str:
+    """select_backend's automatic choice, once per (device, dtype, head dim, packed, deterministic switch): it
+    runs for every block call, and at 2k tokens a rank (P = 64, 128k) those are launch-bound on the CPU."""
     order = ["math"]
     if device.type == "cuda":
         hopper = torch.cuda.get_device_capability(device)[0] >= 9
         order = (["cudnn", "flash_attn", "flash"] if hopper else ["flash_attn", "flash", "cudnn"]) + order
-    if torch.are_deterministic_algorithms_enabled():
+    if deterministic:
         order = [name for name in order if name not in NONDETERMINISTIC_BWD]
     for name in order:
         if unsupported(name, device, dtype, head_dim, packed) is None:
-            if name == "math" and device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
-                warnings.warn(f"no fused attention kernel for head dim {head_dim}: using the slow math kernel",
-                              stacklevel=3)
             return name
     raise AssertionError("unreachable: math always runs")
 
@@ -191,6 +203,51 @@ def block_bwd(do, q, k, v, o, lse, *, mask: str = "none", scale: float | None = 
     return _BWD[backend](do, q, k, v, o, lse, mask == "causal", scale, chunk_size)
 
 
+# ----------------------------------------------------------------------------------------- into accumulators
+def block_fwd_into(o_acc, lse_acc, q, k, v, *, first: bool, mask: str = "none", scale: float | None = None,
+                   backend: str | None = None, cu_seqlens_q=None):
+    """One block's attention merged into running (o_acc [b, sq, h, d], lse_acc [b, h, sq]) fp32 (fp64) accumulators,
+    views allowed; `first`: they hold nothing yet and are set to the block's result. A "causal_strict" block is
+    the causal kernel on q[1:], k[:-1] written straight into rows 1: (row 0 sees no key), with no zero-filled
+    block result and no copy of it (block_fwd's path): Attention2D has such a block in about half its pairs."""
+    if mask == "causal_strict" and cu_seqlens_q is None:
+        if first:
+            o_acc[:, :1].zero_()
+            lse_acc[:, :, :1].fill_(float("-inf"))
+        if q.shape[1] <= 1:
+            return
+        o_acc, lse_acc, q, k, v, mask = o_acc[:, 1:], lse_acc[:, :, 1:], q[:, 1:], k[:, :-1], v[:, :-1], "causal"
+    o_b, lse_b = block_fwd(q, k, v, mask=mask, scale=scale, backend=backend, cu_seqlens_q=cu_seqlens_q)
+    if first:
+        accumulate_(o_acc, o_b, copy=True)
+        lse_acc.copy_(lse_b)
+    else:
+        merge_(o_acc, lse_acc, o_b, lse_b)
+
+
+def block_bwd_into(dq_acc, dk_acc, dv_acc, do, q, k, v, o, lse, *, first_q: bool, first_kv: bool, mask: str = "none",
+                   scale: float | None = None, backend: str | None = None, cu_seqlens_q=None):
+    """One block's gradients added into fp32 (fp64) accumulators dq_acc [b, sq, h, d], dk_acc, dv_acc [b, sk, h_kv, d]
+    (views allowed); `first_q` / `first_kv`: that accumulator holds nothing yet and is set instead. o, lse: the
+    global (or surrogate) O and lse of the query rows, as in block_bwd. A "causal_strict" block runs causal on
+    q[1:], k[:-1] and adds into those rows (row 0 of dq, the last row of dk, dv get nothing), without block_bwd's
+    zero-filled full-size gradients and their copies."""
+    if mask == "causal_strict" and cu_seqlens_q is None:
+        if first_q:
+            dq_acc[:, :1].zero_()
+        if first_kv:
+            dk_acc[:, -1:].zero_()
+            dv_acc[:, -1:].zero_()
+        if q.shape[1] <= 1:
+            return
+        dq_acc, dk_acc, dv_acc = dq_acc[:, 1:], dk_acc[:, :-1], dv_acc[:, :-1]
+        do, q, k, v, o, lse, mask = do[:, 1:], q[:, 1:], k[:, :-1], v[:, :-1], o[:, 1:], lse[:, :, 1:], "causal"
+    dq, dk, dv = block_bwd(do, q, k, v, o, lse, mask=mask, scale=scale, backend=backend, cu_seqlens_q=cu_seqlens_q)
+    accumulate_(dq_acc, dq, copy=first_q)
+    accumulate_(dk_acc, dk, copy=first_kv)
+    accumulate_(dv_acc, dv, copy=first_kv)
+
+
 # ----------------------------------------------------------------------------------------- packed
 def _pair(q, k, mask, cu_q, cu_k) -> tuple[Segments, Segments]:
     """Validated (query, key) segments of a packed block."""
@@ -245,37 +302,6 @@ def _varlen_bwd(do, q, k, v, o, lse, mask, scale, backend, chunk, sq: Segments, 
     if sq.rows == 0 or sk.rows == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     return _VARLEN_BWD[backend](do, q, k, v, o, lse, sq, sk, mask == "causal", scale, chunk)
-
-
-def surrogate_out(do: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-    """A tensor `out` in do's dtype with rowsum(do * out) == delta, for query rows whose D is known but O is
-    not: every backend's backward reads O only to form D = rowsum(dO * O) (fp32 sums of exact products).
-
-    do [b, s, h, d]; delta [b, h, s] fp32 (fp64 for fp64). Build it once per query block and reuse it over
-    that block's key blocks. Like a real O it has entries c * sign(dO) with c = D / sum|dO|, so it fits the
-    dtype wherever a real O does (|D| <= max|O| * sum|dO|: fp16's 65504 is never exceeded, issue 15); the
-    three largest |dO| entries instead carry the rest and the rounding residues of each other, which makes
-    D exact to fp32 (fp64), not to the 16-bit dtype (as long as the mean |O| is below a third of its max).
-    """
-    acc, big = acc_dtype(do.dtype), torch.finfo(do.dtype).max
-    x = do.to(acc)
-    t = delta.transpose(1, 2).unsqueeze(-1).to(acc)                     # [b, s, h, 1]
-    mag = x.abs()
-    top, idx = mag.topk(min(3, x.shape[-1]), -1)
-    l1 = mag.sum(-1, keepdim=True)
-    c = (t / torch.where(l1 > 0, l1, 1.0)).clamp_(-big, big).to(do.dtype).to(acc)
-    out = torch.sign(x).mul_(c)
-    rest = t - c * (l1 - top.sum(-1, keepdim=True))                     # what the top entries must carry
-    xs, vals = x.gather(-1, idx), []
-    zero = xs == 0                                                      # (mask and divisors built once)
-    xs_safe = torch.where(zero, 1.0, xs)
-    for i in range(idx.shape[-1]):
-        xi = xs[..., i:i + 1]
-        val = (rest / xs_safe[..., i:i + 1]).clamp_(-big, big).to(do.dtype).to(acc)
-        val.masked_fill_(zero[..., i:i + 1], 0.0)
-        rest = rest - xi * val
-        vals.append(val)
-    return out.scatter_(-1, idx, torch.cat(vals, -1)).to(do.dtype)
 
 
 # ----------------------------------------------------------------------------------------- decode

@@ -1,0 +1,190 @@
+"""The surrogate O of the backward (`surrogate_out`) in one Triton kernel.
+
+BurstAttention and Attention2D circulate D = rowsum(dO * O) instead of O, and every fused backward (cuDNN,
+FA2) takes O, not D: each travelling query block gets a surrogate O whose rowsum with dO is D (its
+construction: `surrogate_out_reference`). In PyTorch that is about 25 ops per call (topk, abs, sign, scatter,
+gather, sums, casts), each a pass over the block: on one H200, `scripts/profile_rank.py --seq-len 131072
+--cp 16` (32 heads, d = 128, bf16, 8k rows per block) spends about 23 ms of a 90 ms rank backward in them,
+18.5 ms of it in topk (15 calls). The construction is per row (the d entries of one (b, s, h)), so one kernel
+does it with the row in registers: it reads dO (2 B/element) and D and writes O (2 B/element), about 134 MB
+for such a block, some 30 us at the H200's bandwidth.
+
+    out = surrogate_out(do [b, s, h, d], delta [b, h, s])     # -> [b, s, h, d] in do.dtype, contiguous
+    surrogate_out_reference(do, delta)                        # the plain-PyTorch definition (any device, fp64)
+
+The kernel runs on CUDA devices (CPU tensors under TRITON_INTERPRET=1 only with INTERPRET_CPU set) for fp16,
+bf16 and fp32 with d <= MAX_D; fp64 and everything else take the reference. dO may be any strided view
+(`do_j[:, qs]`), D any strided [b, h, s] view (`delta_j[:, :, qs]`, a transposed tensor): strides go to the
+kernel, nothing is copied. A program takes ELEMS_PER_PROGRAM / d rows (d padded to a power of two, masked);
+the three largest |dO| of a row are found by three masked argmax passes over it.
+
+The kernel does the reference's arithmetic in the reference's order, in fp32 (IEEE divisions, rounding to
+nearest even; bf16 rounding on the bits, as Triton's interpreter truncates fp32 -> bf16 casts), except that
+l1 = sum|dO| is summed in another order, a tie among the largest |dO| picks the leftmost entry (topk's pick is
+unspecified) and the GPU may fuse a multiply-add. So it is the reference's construction but not its output bit
+for bit: interpreted on 256 rows of d = 128, 99.9 % of bf16 and fp16 entries are equal (the others: rows with
+tied top |dO| in bf16, an l1 one ulp apart in fp16), 40-60 % in fp32 (there c = D / l1 is not rounded to a
+coarser dtype, so l1's last bit shows in every entry). tests/test_surrogate.py checks the property against the
+reference's own error on the same rows, and c * sign(dO) off the top entries to a few ulps of the reference's.
+"""
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:   # CPU machines without triton: `available()` is False and surrogate_out uses the reference
+    triton = tl = None
+
+# One owner of the Triton-availability check (the flash-decoding kernel's).
+from . import _launch  # noqa: E402
+from .flash_decode import available  # noqa: E402,F401  (re-exported: surrogate.available)
+from .math_attn import acc_dtype  # noqa: E402
+
+INTERPRET_CPU = False
+"""Run the kernel on CPU tensors too, through Triton's interpreter (TRITON_INTERPRET=1): tests/test_surrogate.py
+sets it; elsewhere on CPUs the reference runs (interpreted, a call costs ~15 ms against 0.2 ms)."""
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_D = 256              # the row lives in registers: d up to 256 (the padded row of 256 fp32 per program row)
+ELEMS_PER_PROGRAM = 2048  # rows per program = this / next_power_of_2(d): 16 rows at d = 128 (untuned)
+INTERPRET_ELEMS = 1 << 18  # under the interpreter (CPU tensors): a program costs ~10 ms of numpy whatever its
+                           # size, so 16k rows at d = 64 take 6.3 s in programs of 32 rows, 0.2 s in 4096
+
+
+def surrogate_out_reference(do: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """A tensor `out` in do's dtype with rowsum(do * out) == delta, for query rows whose D is known but O is
+    not: every backend's backward reads O only to form D = rowsum(dO * O) (fp32 sums of exact products).
+
+    do [b, s, h, d]; delta [b, h, s] fp32 (fp64 for fp64). Build it once per query block and reuse it over
+    that block's key blocks. Like a real O it has entries c * sign(dO) with c = D / sum|dO|, so it fits the
+    dtype wherever a real O does (|D| <= max|O| * sum|dO|: fp16's 65504 is never exceeded, issue 15); the
+    three largest |dO| entries instead carry the rest and the rounding residues of each other, which makes
+    D exact to fp32 (fp64), not to the 16-bit dtype (as long as the mean |O| is below a third of its max).
+    """
+    acc, big = acc_dtype(do.dtype), torch.finfo(do.dtype).max
+    x = do.to(acc)
+    t = delta.transpose(1, 2).unsqueeze(-1).to(acc)                     # [b, s, h, 1]
+    mag = x.abs()
+    top, idx = mag.topk(min(3, x.shape[-1]), -1)
+    l1 = mag.sum(-1, keepdim=True)
+    c = (t / torch.where(l1 > 0, l1, 1.0)).clamp_(-big, big).to(do.dtype).to(acc)
+    out = torch.sign(x).mul_(c)
+    rest = t - c * (l1 - top.sum(-1, keepdim=True))                     # what the top entries must carry
+    xs, vals = x.gather(-1, idx), []
+    zero = xs == 0                                                      # (mask and divisors built once)
+    xs_safe = torch.where(zero, 1.0, xs)
+    for i in range(idx.shape[-1]):
+        xi = xs[..., i:i + 1]
+        val = (rest / xs_safe[..., i:i + 1]).clamp_(-big, big).to(do.dtype).to(acc)
+        val.masked_fill_(zero[..., i:i + 1], 0.0)
+        rest = rest - xi * val
+        vals.append(val)
+    return out.scatter_(-1, idx, torch.cat(vals, -1)).to(do.dtype)
+
+
+if triton is not None:
+    @triton.jit
+    def _round(v, OUT_TY: tl.constexpr, BF16: tl.constexpr):
+        """fp32 v (finite, within OUT_TY's range) rounded to nearest-even in OUT_TY, as fp32. bf16 by bits:
+        Triton's interpreter truncates fp32 -> bf16 casts, and the GPU gives the same value either way."""
+        if BF16:
+            bits = v.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            return bits.to(tl.float32, bitcast=True)
+        else:
+            return v.to(OUT_TY).to(tl.float32)
+
+    @triton.jit
+    def _take_max(x, mag, cols):
+        """The largest remaining |x| of each row: (its column, its signed value, mag with it taken out)."""
+        j = tl.argmax(mag, 1, tie_break_left=True)
+        hit = cols[None, :] == j[:, None]
+        return j, tl.sum(tl.where(hit, x, 0.0), 1), tl.where(hit, -1.0, mag)   # (one nonzero term per row)
+
+    @triton.jit
+    def _carry(out, rest, j, xj, cols, BIG: tl.constexpr, OUT_TY: tl.constexpr, BF16: tl.constexpr):
+        """Top entry (j, xj) of each row carries rest / xj (clamped, rounded to OUT_TY; 0 where xj = 0):
+        -> (out with it written, the residual left)."""
+        val = tl.math.div_rn(rest, tl.where(xj == 0, 1.0, xj))
+        val = tl.where(xj == 0, 0.0, _round(tl.minimum(tl.maximum(val, -BIG), BIG), OUT_TY, BF16))
+        return tl.where(cols[None, :] == j[:, None], val[:, None], out), rest - xj * val
+
+    @triton.jit
+    def _surrogate_kernel(DO, DELTA, OUT, R, S, H,
+                          s_db, s_ds, s_dh, s_dd, s_tb, s_th, s_ts,
+                          D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, NTOP: tl.constexpr,
+                          BIG: tl.constexpr, BF16: tl.constexpr):
+        # Program p: rows p * BLOCK_R ... of R = b * s * h (row r = (b, s, h) in out's [b, s, h] order), fp32.
+        OUT_TY = OUT.dtype.element_ty
+        rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+        row_ok = rows < R
+        hi, si, bi = rows % H, (rows // H) % S, rows // (H * S)
+        cols = tl.arange(0, BLOCK_D)
+        ok = row_ok[:, None] & (cols[None, :] < D)
+        x = tl.load(DO + (bi * s_db + si * s_ds + hi * s_dh)[:, None] + cols[None, :] * s_dd, mask=ok,
+                    other=0.0).to(tl.float32)
+        t = tl.load(DELTA + bi * s_tb + hi * s_th + si * s_ts, mask=row_ok, other=0.0).to(tl.float32)
+        mag = tl.abs(x)
+        l1 = tl.sum(mag, 1)
+        c = tl.math.div_rn(t, tl.where(l1 > 0, l1, 1.0))                     # IEEE division, as torch's
+        c = _round(tl.minimum(tl.maximum(c, -BIG), BIG), OUT_TY, BF16)
+        out = tl.where(x > 0, c[:, None], tl.where(x < 0, -c[:, None], 0.0))
+        # The NTOP = min(3, d) largest |x| carry rest = D - c * (l1 - their |x|), each in turn.
+        mag = tl.where(ok, mag, -1.0)                                      # padding is never a top entry
+        j1, x1, mag = _take_max(x, mag, cols)
+        top = tl.abs(x1)
+        if NTOP >= 2:
+            j2, x2, mag = _take_max(x, mag, cols)
+            top = top + tl.abs(x2)
+        if NTOP >= 3:
+            j3, x3, mag = _take_max(x, mag, cols)
+            top = top + tl.abs(x3)
+        rest = t - c * (l1 - top)
+        out, rest = _carry(out, rest, j1, x1, cols, BIG, OUT_TY, BF16)
+        if NTOP >= 2:
+            out, rest = _carry(out, rest, j2, x2, cols, BIG, OUT_TY, BF16)
+        if NTOP >= 3:
+            out, rest = _carry(out, rest, j3, x3, cols, BIG, OUT_TY, BF16)
+        tl.store(OUT + rows[:, None] * D + cols[None, :], out.to(OUT_TY), mask=ok)
+
+
+def use_kernel(do: torch.Tensor) -> bool:
+    """Whether surrogate_out runs the Triton kernel for `do`: Triton on a CUDA device (or under
+    TRITON_INTERPRET=1), fp16 / bf16 / fp32, d <= MAX_D."""
+    return ((do.device.type == "cuda" or INTERPRET_CPU) and available(do.device) and do.dtype in DTYPES
+            and do.dim() == 4 and 0 < do.shape[-1] <= MAX_D)
+
+
+def surrogate_out_triton(do: torch.Tensor, delta: torch.Tensor, *, rows_per_program: int | None = None):
+    """The kernel (use_kernel(do) must hold): same contract as surrogate_out_reference. rows_per_program (a
+    power of two) overrides the default: ELEMS_PER_PROGRAM / padded d on GPUs, INTERPRET_ELEMS / padded d
+    (at most the rows, padded) under the interpreter."""
+    b, s, h, d = do.shape
+    if tuple(delta.shape) != (b, h, s):
+        raise ValueError(f"surrogate_out: delta [b, h, s] = {(b, h, s)} expected for do {tuple(do.shape)}, "
+                         f"got {tuple(delta.shape)}")
+    out = torch.empty((b, s, h, d), dtype=do.dtype, device=do.device)
+    rows = b * s * h
+    if rows == 0:
+        return out
+    block_d = triton.next_power_of_2(d)
+    if rows_per_program is None and do.device.type == "cuda":
+        rows_per_program = max(1, ELEMS_PER_PROGRAM // block_d)
+    elif rows_per_program is None:
+        rows_per_program = min(triton.next_power_of_2(rows), max(1, INTERPRET_ELEMS // block_d))
+    block_r = rows_per_program
+    _launch.launch(_surrogate_kernel, (triton.cdiv(rows, block_r),),
+        do, delta, out, rows, s, h, *do.stride(), *delta.stride(),
+        D=d, BLOCK_D=block_d, BLOCK_R=block_r, NTOP=min(3, d), BIG=torch.finfo(do.dtype).max,
+        BF16=do.dtype == torch.bfloat16, num_warps=4)
+    return out
+
+
+def surrogate_out(do: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """A tensor `out` [b, s, h, d] in do's dtype with rowsum(do * out) == delta to fp32 (fp64 for fp64): see
+    surrogate_out_reference for the construction. do [b, s, h, d] (any view); delta [b, h, s] fp32 (fp64 for
+    fp64; any view). The Triton kernel where use_kernel(do), else the reference."""
+    if use_kernel(do):
+        return surrogate_out_triton(do, delta)
+    return surrogate_out_reference(do, delta)

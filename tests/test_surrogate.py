@@ -1,0 +1,209 @@
+"""The fused surrogate-O kernel (kernels/surrogate.py) against its plain-PyTorch definition: on CPU through
+Triton's interpreter (TRITON_INTERPRET=1, set in conftest), on GPUs the compiled kernel.
+
+The property every caller relies on: rowsum(dO * out) == D to fp32, with out finite and in dO's dtype. The
+kernel must meet it as well as the reference does on the same rows (its error at most twice the
+reference's, plus a few fp32 ulps of D), and build the same tensor: c * sign(dO) off the top entries, within
+a few ulps of the reference's (l1 is summed in another order; ties among the top |dO| may pick other entries).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_cp_plugin.kernels import surrogate as sg
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = pytest.mark.skipif(not sg.available(DEV),
+                                reason="SKIPPED LOUDLY: triton is not installed (pip install triton), so the "
+                                       "surrogate kernel cannot run here, not even interpreted")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: run on the device machine")
+
+
+@pytest.fixture(autouse=True)
+def interpreted_on_cpu(monkeypatch):
+    """On CPUs the kernels run only where asked (the rest of the suite runs the references): here, always."""
+    monkeypatch.setattr(sg, "INTERPRET_CPU", True)
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+EPS32 = torch.finfo(torch.float32).eps
+
+
+def _kernel(do, delta):
+    """The kernel with the GPU's rows per program, so that a few dozen rows make several programs and a
+    partial last one even under the interpreter."""
+    rpp = max(1, sg.ELEMS_PER_PROGRAM // int(2 ** (do.shape[-1] - 1).bit_length()))
+    return sg.surrogate_out_triton(do, delta, rows_per_program=rpp)
+
+
+def _err(do, out, delta):
+    """|rowsum(dO * out) - D| per row [b, h, s], in fp64 (exact products and sums)."""
+    got = (do.double() * out.double()).sum(-1).transpose(1, 2)
+    return (got - delta.double()).abs()
+
+
+def _floor(do):
+    """fp16 turns subnormal below 2^-14: an absolute floor of a few 2^-24 * max|dO| on the error of a row
+    (tests/test_local_attn.py), 0 for the other dtypes."""
+    if do.dtype != torch.float16:
+        return 0.0
+    return 4 * 2.0**-24 * do.double().abs().amax(-1).transpose(1, 2)
+
+
+def check(do, delta, out, ref=None):
+    """out meets the property as well as the reference does and is the reference's construction."""
+    ref = sg.surrogate_out_reference(do, delta) if ref is None else ref
+    assert out.dtype == do.dtype and out.shape == do.shape and out.is_contiguous()
+    assert torch.isfinite(out).all()
+    e_k, e_r = _err(do, out, delta), _err(do, ref, delta)
+    bound = 2 * e_r + 8 * EPS32 * delta.double().abs() + _floor(do)
+    worst = (e_k - bound).max().item()
+    assert worst <= 0, f"kernel error {e_k.max().item():.3g} vs reference {e_r.max().item():.3g}"
+    # Off the top entries out = c * sign(dO), as the reference's to a few ulps of the dtype (c = D / l1, l1
+    # summed in another order: up to ~8 fp32 ulps apart for d = 256); entries that differ more are top
+    # entries of one of them: at most 6 per row, each with |dO| >= the 3rd largest.
+    tol = 4 * torch.finfo(do.dtype).eps + 16 * EPS32
+    far = (out.double() - ref.double()).abs() > tol * ref.double().abs()
+    mag = do.double().abs()
+    third = mag.topk(min(3, do.shape[-1]), -1).values[..., -1:]
+    assert (far.sum(-1) <= 6).all(), f"rows with more than 6 entries off the reference: {(far.sum(-1) > 6).sum()}"
+    assert not (far & (mag < third)).any(), "an entry outside the top three |dO| differs from the reference"
+    return e_k
+
+
+def _data(b, s, h, d, dtype, kind, seed):
+    g = torch.Generator().manual_seed(seed)
+    do = torch.randn(b, s, h, d, generator=g).to(dtype)
+    if kind == "randn":
+        delta = torch.randn(b, h, s, generator=g)
+    elif kind == "scaled":                                              # magnitudes over 8 decades
+        delta = torch.randn(b, h, s, generator=g) * 10.0 ** torch.randint(-4, 5, (b, h, s), generator=g)
+    else:                                                               # a real D = rowsum(dO * O)
+        o = torch.randn(b, s, h, d, generator=g).to(dtype)
+        delta = (do.float() * o.float()).sum(-1).transpose(1, 2)
+    return do.to(DEV), delta.contiguous().to(DEV)
+
+
+@pytest.mark.parametrize("d", (64, 96, 128, 256))
+@pytest.mark.parametrize("kind", ("randn", "scaled", "rowsum"))
+@pytest.mark.parametrize("dt", DTYPES)
+def test_kernel_reproduces_delta(dt, kind, d):
+    dtype = DTYPES[dt]
+    do, delta = _data(2, 9, 3, d, dtype, kind, seed=d + 7 * len(kind) + 100 * list(DTYPES).index(dt))  # 54 rows
+    do[:, 4] = 0                                                        # rows with dO = 0 and D = 0
+    delta[:, :, 4] = 0
+    do[0, 2, 1] = 0                                                     # one nonzero entry
+    do[0, 2, 1, d // 3] = 1.5
+    do[1, 6, 2] = 0                                                     # two nonzero entries, one tie
+    do[1, 6, 2, 1], do[1, 6, 2, d - 1] = -0.75, 0.75
+    out = _kernel(do, delta)
+    e_k = check(do, delta, out)
+    assert (out[:, 4] == 0).all() and (out[0, 2, 1] != 0).sum() <= 1 and (out[1, 6, 2] != 0).sum() <= 2
+    # Elsewhere D to the accuracy of fp32, not of the dtype (the reference's own test, test_local_attn).
+    normal = torch.ones_like(e_k, dtype=torch.bool)
+    normal[0, 1, 2] = normal[1, 2, 6] = False
+    excess = ((e_k - _floor(do)).clamp_min(0) / delta.double().abs().clamp_min(1e-300))[normal]
+    assert excess.max().item() <= 8 * EPS32, f"per-row rel err {excess.max().item():.3g}"
+
+
+@pytest.mark.parametrize("d", (1, 2, 3, 5))
+@pytest.mark.parametrize("dt", DTYPES)
+def test_short_rows(dt, d):
+    """d < 3 has fewer top entries than three; d = 5 is not a power of two (padding never a top entry)."""
+    do, delta = _data(1, 7, 5, d, DTYPES[dt], "rowsum", seed=d)
+    check(do, delta, _kernel(do, delta))
+
+
+@pytest.mark.parametrize("case", ("v600", "issue15", "o_at_max", "one_hot_do"))
+def test_fp16_large_delta(case):
+    """fp16 rows whose D only a saturated surrogate carries (test_local_attn's cases): |D| near max|O| * sum|dO|
+    with O at or near 65504; kernel finite and exact to fp32 like the reference."""
+    g = torch.Generator().manual_seed(15)
+    if case == "v600":                              # D / max|dO| > 65504
+        do = torch.full((1, 3, 2, 128), 0.9, dtype=torch.float16)
+        do[..., 5] = 1.0
+        o = torch.full_like(do, 600.0)
+    elif case == "issue15":
+        do = torch.full((1, 5, 2, 128), 0.5, dtype=torch.float16)
+        o = (1500 + torch.randn(1, 5, 2, 128, generator=g)).half()
+    elif case == "o_at_max":                        # every entry of O at +-65504 along dO
+        do = torch.randn(1, 5, 2, 128, generator=g).half()
+        o = torch.where(do > 0, 65504.0, -65504.0).half()
+    else:                                           # one large dO entry, the rest tiny
+        do = torch.full((1, 5, 2, 128), 1e-3, dtype=torch.float16)
+        do[..., 0] = 1.0
+        o = torch.full_like(do, 60000.0)
+    do, o = do.to(DEV), o.to(DEV)
+    delta = (do.float() * o.float()).sum(-1).transpose(1, 2).contiguous()
+    out = _kernel(do, delta)
+    e_k = check(do, delta, out)
+    assert (e_k / delta.double().abs()).max().item() <= 4 * 2.0**-24
+    if case == "o_at_max":
+        assert out.abs().max().item() == 65504.0                        # saturated, not inf
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+def test_strided_views(dt):
+    """dO a [:, half:] view of a b > 1 tensor, D a slice of a wider [b, h, S] tensor (burst's
+    delta_j[:, :, qs]) or a transposed [b, s, h] one: read through their strides, same result as copies."""
+    dtype = DTYPES[dt]
+    g = torch.Generator().manual_seed(3)
+    full = torch.randn(2, 40, 3, 96, generator=g).to(dtype).to(DEV)
+    do = full[:, 21:]                                                   # [2, 19, 3, 96], not contiguous
+    wide = torch.randn(2, 3, 50, generator=g).to(DEV)
+    d_slice = wide[:, :, 5:24]
+    d_trans = torch.randn(2, 19, 3, generator=g).to(DEV).transpose(1, 2)
+    assert not do.is_contiguous() and not d_slice.is_contiguous() and not d_trans.is_contiguous()
+    for delta in (d_slice, d_trans):
+        out = _kernel(do, delta)
+        assert torch.equal(out, _kernel(do.contiguous(), delta.contiguous()))
+        check(do, delta, out)
+    assert torch.equal(sg.surrogate_out(do, d_slice), sg.surrogate_out(do.contiguous(), d_slice.contiguous()))
+
+
+def test_dispatch(monkeypatch):
+    """surrogate_out takes the kernel for fp16 / bf16 / fp32 with d <= MAX_D, the reference otherwise."""
+    calls = []
+    for name in ("surrogate_out_triton", "surrogate_out_reference"):
+        fn = getattr(sg, name)
+        monkeypatch.setattr(sg, name, lambda *a, fn=fn, name=name, **k: calls.append(name) or fn(*a, **k))
+    for dtype in DTYPES.values():
+        do, delta = _data(2, 5, 3, 64, dtype, "rowsum", seed=4)
+        assert sg.use_kernel(do)
+        out = sg.surrogate_out(do, delta)                               # the interpreter's own block size
+        assert calls[-1] == "surrogate_out_triton" and torch.equal(out, _kernel(do, delta))
+        check(do, delta, out)
+    d64 = do.double()
+    assert not sg.use_kernel(d64)
+    sg.surrogate_out(d64, delta.double())
+    assert calls[-1] == "surrogate_out_reference"
+    wide = torch.randn(1, 2, 2, sg.MAX_D + 1, device=DEV)
+    assert not sg.use_kernel(wide)
+    sg.surrogate_out(wide, torch.randn(1, 2, 2, device=DEV))
+    assert calls[-1] == "surrogate_out_reference"
+    empty = torch.empty(2, 0, 3, 64, dtype=torch.float16, device=DEV)
+    assert sg.surrogate_out(empty, torch.empty(2, 3, 0, device=DEV)).shape == empty.shape
+    with pytest.raises(ValueError, match="delta"):
+        sg.surrogate_out(do, delta.transpose(1, 2))
+
+
+@needs_cuda
+@pytest.mark.parametrize("d", (64, 96, 128, 256))
+@pytest.mark.parametrize("dt", DTYPES)
+def test_gpu_kernel_matches_reference(dt, d):
+    """The compiled kernel on CUDA against the reference on the same device, through surrogate_out (which
+    must pick the kernel there), on burst-like views."""
+    dtype = DTYPES[dt]
+    g = torch.Generator(device="cuda").manual_seed(d)
+    full = torch.randn(2, 2048, 8, d, device="cuda", generator=g).to(dtype)
+    o = torch.randn(2, 2048, 8, d, device="cuda", generator=g).to(dtype)
+    lse = (full.float() * o.float()).sum(-1).transpose(1, 2)            # [2, 8, 2048]
+    do, delta = full[:, 1024:], lse[:, :, 1024:]
+    assert sg.use_kernel(do)
+    out = sg.surrogate_out(do, delta)
+    check(do, delta, out)
+    do[:, 3] = 0
+    delta[:, :, 3] = 0
+    out = sg.surrogate_out(do, delta)
+    check(do, delta, out)
+    assert (out[:, 3] == 0).all()
