@@ -38,7 +38,6 @@ def main():
         cases[f"raw aten fwd {be}"] = lambda be=be: local_attn._FWD[be](q, k, v, True, 0.1, 0)
         cases[f"raw aten bwd {be}"] = lambda be=be: local_attn._BWD[be](do, q, k, v, o, lse, True, 0.1, 0)
     cases["merge_"] = lambda: merge.merge_(acc, lse_acc, o, lse)
-    cases["merge_reference_"] = lambda: getattr(merge, "merge_reference_", merge.merge_)(acc, lse_acc, o, lse)
     cases["accumulate_"] = lambda: merge.accumulate_(acc, o)
     cases["add_ (mixed dtype)"] = lambda: acc.add_(o)
     cases["surrogate_out"] = lambda: local_attn.surrogate_out(do, delta)

@@ -1,4 +1,5 @@
-"""The fused (o, lse) merge and fp32 accumulation kernels (kernels/merge.py) against their PyTorch forms, one GPU.
+"""The fp32 accumulation kernel (kernels/merge.py `accumulate_`) against torch's add_ / copy_, and the (o, lse)
+merge's cost, on one GPU.
 
     megatron-cp-bench merge --rows 2048 8192 32768
 
@@ -8,8 +9,7 @@ as long, added into (and set from, copy=True) with a bf16 block gradient. Median
 events, after warm-up), the speedup of the kernel and the bandwidth each reaches on the bytes it moves, beside
 the device copy bandwidth measured in the same run (bench/flash_decode.copy_bandwidth). Bytes per element of o
 (n = rows * h * d) and per row (rows * h), bf16 block:
-    merge_reference_  18 n + 44 rows   (o_blk's fp32 copy written and read again; five [b, h, s] passes)
-    merge_ (Triton)   10 n + 12 rows   (o read and written, o_blk read; lse, lse_blk read, lse written)
+    merge_            18 n + 44 rows   (PyTorch: o_blk's fp32 copy written and read again; five [b, h, s] passes)
     add_, accumulate_ 10 n             (acc read and written, x read: the same bytes, torch's kernel is not
                                         vectorised for mixed dtypes)
     copy_, accumulate_(copy=True) 6 n
@@ -26,7 +26,14 @@ from megatron_cp_plugin.bench._common import time_ms, write_report
 
 def _cases(r: int, h: int, d: int, dev) -> list:
     """(op, implementation, fn, bytes moved) of one row count; the PyTorch form of each op first."""
-    from megatron_cp_plugin.kernels.merge import accumulate_, merge_, merge_reference_
+    from megatron_cp_plugin.kernels import merge as M
+
+    def kernel(*a, **k):                         # the kernel at every size (the runs take torch's below the bound)
+        bound, M.ACCUMULATE_MIN_NUMEL = M.ACCUMULATE_MIN_NUMEL, 0
+        try:
+            M.accumulate_(*a, **k)
+        finally:
+            M.ACCUMULATE_MIN_NUMEL = bound
 
     n = r * h * d
     o = torch.randn(1, r, h, d, device=dev)
@@ -35,12 +42,11 @@ def _cases(r: int, h: int, d: int, dev) -> list:
     lse_blk = torch.randn(1, h, r, device=dev)
     acc = torch.zeros(1, 2 * r, h, d, device=dev)[:, r // 2:r // 2 + r]      # a row slice, as in the ring
     return [
-        ("merge", "merge_reference_", lambda: merge_reference_(o, lse, o_blk, lse_blk), 18 * n + 44 * r * h),
-        ("merge", "merge_ (Triton)", lambda: merge_(o, lse, o_blk, lse_blk), 10 * n + 12 * r * h),
+        ("merge", "merge_ (PyTorch)", lambda: M.merge_(o, lse, o_blk, lse_blk), 18 * n + 44 * r * h),
         ("add", "acc.add_(x)", lambda: acc.add_(o_blk), 10 * n),
-        ("add", "accumulate_ (Triton)", lambda: accumulate_(acc, o_blk), 10 * n),
+        ("add", "accumulate_ (Triton)", lambda: kernel(acc, o_blk), 10 * n),
         ("copy", "acc.copy_(x)", lambda: acc.copy_(o_blk), 6 * n),
-        ("copy", "accumulate_(copy=True)", lambda: accumulate_(acc, o_blk, copy=True), 6 * n),
+        ("copy", "accumulate_(copy=True)", lambda: kernel(acc, o_blk, copy=True), 6 * n),
     ]
 
 

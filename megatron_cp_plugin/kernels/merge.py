@@ -9,25 +9,22 @@ A row that saw no key has lse = -inf and o = 0; the merge keeps it finite.
     merge_(o, lse, o_blk, lse_blk)     # in place: (o, lse) <- merge((o, lse), (o_blk, lse_blk))
     accumulate_(acc, x, copy=False)    # in place: acc <- acc + x (copy=True: acc <- x), x cast to acc's dtype
 
-Why fused kernels. Both run once per ring step and block, and at many ranks a rank's blocks are small: replaying
-one rank of ring attention on one H200 (128k tokens, 32 heads, d = 128, bf16; `python scripts/profile_rank.py
---seq-len 131072 --cp 16 64`), at P = 64 (2k tokens a rank) the rank takes 59 ms of wall time while its kernels
-are busy 29 ms: it is bound by launches. `merge_reference_` is 6 launches (sub, sigmoid, nan_to_num over
-[b, h, s]; logaddexp; o_blk's cast to fp32; lerp over [b, s, h, d]) moving about 18 bytes per element of o
-(o_blk bf16 read 2 + fp32 copy written 4 and read 4, o read 4 and written 4). The Triton merge is 1 launch
-moving 10 (o read and written, o_blk read in its own dtype and converted in registers) plus 12 per row (lse,
-lse_blk read, lse written). The other hot spot is adding a bf16 block gradient into an fp32 accumulator slice,
-`acc[:, rows].add_(g)`: mixed dtypes send torch to its non-vectorised `unrolled_elementwise_kernel`
-(CUDAFunctor_add<float>: 4.3 ms for 45 calls at P = 16); `accumulate_` is one vectorised kernel, 10 bytes per
-element (acc read and written, x read), 6 with copy=True. `python -m megatron_cp_plugin.bench.merge` times both.
+The merge is PyTorch: five elementwise kernels (six with o_blk's cast), about 18 bytes per element of o. A fused
+Triton merge (one launch, 10 bytes per element) matched the PyTorch form under Triton's interpreter at every
+size but not compiled on an H200: at a ring block's size (2 x 2048 rows, 32 heads, d = 128) about 1 % of the
+rows came out with another row's weight (lse right, o wrong), so it was removed (issue 34's closing note).
 
-Layouts (no copies; strides are passed): o [b, s, h, d] fp32, often a view o[:, qs] (non-contiguous along
-dim 0 for b > 1); lse [b, h, s] fp32, often lse[:, :, qs]; o_blk [b, s, h, d] fp32 / bf16 / fp16, any strides;
-lse_blk [b, h, s], any strides. accumulate_: acc and x of one shape (up to 4 dims), any strides.
-The kernels run on CUDA tensors where Triton is installed (and on CPU tensors under TRITON_INTERPRET=1 only where
-`INTERPRET_CPU` is set: tests/test_merge.py does; the rest of the CPU suite would run 4.4x slower interpreted);
-elsewhere, for fp64 accumulators, other dtypes or shapes, and for tensors that need autograd, the plain-PyTorch
-definitions (`merge_reference_`, `acc.add_(x)` / `acc.copy_(x)`) run.
+`accumulate_` is a Triton kernel. Adding a bf16 block gradient into an fp32 accumulator slice with torch,
+`acc[:, rows].add_(g)`, mixes dtypes and so runs torch's non-vectorised `unrolled_elementwise_kernel`
+(CUDAFunctor_add<float>: 4.3 ms for 45 calls at P = 16 in one rank of ring attention replayed on an H200,
+`python scripts/profile_rank.py --seq-len 131072 --cp 16`); the kernel is one vectorised pass, 10 bytes per
+element (acc read and written, x read), 6 with copy=True. Below ACCUMULATE_MIN_NUMEL elements torch's add_ runs:
+there a rank is bound by host time, and a Triton launch costs more of it. `megatron-cp-bench merge` times both.
+acc and x: one shape (up to 4 dims), any strides (no copies), e.g. a row slice acc_full[:, rows] of
+[b, s, h, d]. The kernel runs on CUDA tensors where Triton is installed (and on CPU tensors under
+TRITON_INTERPRET=1 only where `INTERPRET_CPU` is set, as tests/test_merge.py does: the rest of the CPU suite
+would run 4.4x slower interpreted); elsewhere, for other dtypes and for tensors that need autograd, torch's
+`acc.add_(x)` / `acc.copy_(x)` run.
 """
 from __future__ import annotations
 
@@ -51,8 +48,7 @@ ACCUMULATE_MIN_NUMEL = 1 << 24
 machine (scripts/launch_cost.py, bench/merge.py): the Triton launch costs ~30 us of host time against add_'s 5.5,
 and saves ~7 us of GPU time at 8M elements (17 against 24 us) and ~25 us at 33M: below ~16M elements (2k tokens a
 rank at 32 heads, d = 128: P = 64 at 128k) a rank's blocks are bound by host time, so the cheaper launch wins."""
-_HALF = (torch.float16, torch.bfloat16, torch.float32)     # o_blk / lse_blk dtypes the merge kernel reads
-_FLOAT = _HALF + (torch.float64,)
+_FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)       # x dtypes accumulate_ reads
 _TILE = 4096                 # elements per program on a GPU (16 KiB of fp32 accumulator)
 _TILE_INTERPRET = 1 << 16    # under the CPU interpreter each program costs Python time: fewer, larger ones
 
@@ -62,7 +58,7 @@ def finite_lse(lse: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isinf(lse), 0.0, lse)
 
 
-def merge_reference_(o: torch.Tensor, lse: torch.Tensor, o_blk: torch.Tensor, lse_blk: torch.Tensor) -> None:
+def merge_(o: torch.Tensor, lse: torch.Tensor, o_blk: torch.Tensor, lse_blk: torch.Tensor) -> None:
     """In place: (o, lse) <- merge((o, lse), (o_blk, lse_blk)); the definition the Triton kernel is tested against.
 
     o [b, s, h, d] fp32/fp64 accumulator (a view is fine); lse [b, h, s] same dtype family;
@@ -99,29 +95,6 @@ def _tile(d: int, max_block_d: int) -> tuple[int, int, int]:
     return block_d, max(1, tile // block_d), 4
 
 
-def merge_(o: torch.Tensor, lse: torch.Tensor, o_blk: torch.Tensor, lse_blk: torch.Tensor) -> None:
-    """In place: (o, lse) <- merge((o, lse), (o_blk, lse_blk)); semantics of `merge_reference_`.
-
-    One Triton launch where it can run (fp32 o and lse; o_blk, lse_blk fp32 / bf16 / fp16; shapes [b, s, h, d] and
-    [b, h, s]; any strides); otherwise (fp64, CPU without the interpreter, tensors needing autograd) the reference.
-    """
-    b, s, h, d = o.shape if o.dim() == 4 else (None,) * 4
-    if not (o.dim() == 4 and o.dtype == torch.float32 and lse.dtype == torch.float32
-            and o_blk.dtype in _HALF and lse_blk.dtype in _HALF
-            and o_blk.shape == o.shape and lse.shape == (b, h, s) and lse_blk.shape == lse.shape
-            and b * h * s < 2**31 and _writable(o) and _writable(lse) and _triton_ok(o, lse, o_blk, lse_blk)):
-        merge_reference_(o, lse, o_blk, lse_blk)
-        return
-    if o.numel() == 0:
-        return
-    rows = b * h * s
-    block_d, block_r, warps = _tile(d, max_block_d=triton.next_power_of_2(d))      # whole rows in a program
-    block_r = min(block_r, triton.next_power_of_2(rows))
-    _launch.launch(_merge_kernel, (triton.cdiv(rows, block_r),),
-        o, lse, o_blk, lse_blk, h, s, d, rows, *o.stride(), *lse.stride(), *o_blk.stride(), *lse_blk.stride(),
-        BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps)
-
-
 def accumulate_(acc: torch.Tensor, x: torch.Tensor, copy: bool = False) -> None:
     """In place: acc <- acc + x, or acc <- x with copy=True (a first contribution), x cast to acc's dtype.
 
@@ -153,41 +126,6 @@ def accumulate_(acc: torch.Tensor, x: torch.Tensor, copy: bool = False) -> None:
 
 
 if triton is not None:
-    @triton.jit
-    def _merge_kernel(O, L, OB, LB, H, S, D, ROWS,
-                      so_b, so_s, so_h, so_d, sl_b, sl_h, sl_s, sob_b, sob_s, sob_h, sob_d, slb_b, slb_h, slb_s,
-                      BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-        # Program p -> rows p * BLOCK_R ... of the [b, h, s] row order: lse reads run along s, and each row's d
-        # elements of o are one contiguous run. (Under the interpreter one program takes a whole small merge.)
-        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        row_ok = rows < ROWS
-        bh = rows // S
-        bi, hi, rows = (bh // H).to(tl.int64), (bh % H).to(tl.int64), (rows % S).to(tl.int64)   # offsets pass 2^31
-        l_ptr = L + bi * sl_b + hi * sl_h + rows * sl_s
-        la = tl.load(l_ptr, mask=row_ok, other=float("-inf"))
-        lb = tl.load(LB + bi * slb_b + hi * slb_h + rows * slb_s, mask=row_ok, other=float("-inf")).to(tl.float32)
-        # Both -inf (no key seen on either side): the reference's sigmoid gives NaN, zeroed, and logaddexp -inf.
-        none = (la == float("-inf")) & (lb == float("-inf"))
-        la = tl.where(none, 0.0, la)                   # no -inf - (-inf) below (nor NumPy's warning interpreted)
-        lb = tl.where(none, 0.0, lb)
-        x = lb - la                                    # +-inf where one side is -inf
-        t = tl.exp(-tl.abs(x))                         # in [0, 1]: one exp serves the weight and the new lse
-        w = tl.where(x >= 0, 1.0 / (1.0 + t), t / (1.0 + t))     # sigmoid(x), without overflow
-        w = tl.where(none, 0.0, w)
-        u = 1.0 + t                                    # log1p(t), accurate for small t (Goldberg's identity)
-        log1p = tl.where(u == 1.0, t, tl.log(u) * (t / tl.where(u == 1.0, 1.0, u - 1.0)))
-        tl.store(l_ptr, tl.where(none, float("-inf"), tl.maximum(la, lb) + log1p), mask=row_ok)
-        dims = tl.arange(0, BLOCK_D)
-        m = row_ok[:, None] & (dims < D)[None, :]
-        o_ptr = O + (bi * so_b + hi * so_h + rows * so_s)[:, None] + dims[None, :] * so_d
-        ob_ptr = OB + (bi * sob_b + hi * sob_h + rows * sob_s)[:, None] + dims[None, :] * sob_d
-        o = tl.load(o_ptr, mask=m, other=0.0)
-        ob = tl.load(ob_ptr, mask=m, other=0.0).to(tl.float32)
-        diff = ob - o
-        w = w[:, None]
-        # torch.lerp's two-sided form: exactly o at w = 0 and exactly o_blk at w = 1.
-        tl.store(o_ptr, tl.where(w < 0.5, o + w * diff, ob - diff * (1.0 - w)), mask=m)
-
     @triton.jit
     def _accumulate_kernel(A, X, N1, N2, D, ROWS, D_BLOCKS, sa0, sa1, sa2, sa3, sx0, sx1, sx2, sx3,
                            BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, COPY: tl.constexpr):
