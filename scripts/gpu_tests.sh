@@ -23,10 +23,13 @@ if [ -n "${SHARD:-}" ]; then
   i=${SHARD%/*}; n=${SHARD#*/}
   TESTS=$(ls tests/test_*.py | sort | awk -v i="$i" -v n="$n" '(NR - 1) % n == i - 1' | tr '\n' ' ')
 fi
+# Failures named as they happen (tests/conftest.py): a run cut off by LIMIT has no pytest summary.
+export MCP_FAILURE_LOG="$OUT/failures.txt"; : > "$MCP_FAILURE_LOG"
 start=$SECONDS
 timeout "${LIMIT:-570}" python3 -m pytest -q -n "$WORKERS" --timeout 500 -p no:cacheprovider \
   --junitxml "$OUT/junit.xml" ${TESTS:-tests} "$@" 2>&1 | tee "$OUT/gpu_tests.log"
 rc=${PIPESTATUS[0]}
 counts=$(grep -E "^[0-9]+ (passed|failed)|[0-9]+ (passed|failed).* in " "$OUT/gpu_tests.log" | tail -1)
 echo "gpu_tests: $(date -u +%F) on $DEVICE, $((SECONDS - start)) s, ${WORKERS} workers${SHARD:+, shard $SHARD}: ${counts:-no summary} (rc=$rc)" | tee "$OUT/summary.txt"
+cat "$MCP_FAILURE_LOG"
 exit "$rc"
