@@ -97,14 +97,15 @@ def _one_by_one_block(rank, world):
     shared_gpu.install()
     assert buffers._coalescing_manager is shared_gpu.one_by_one
     x, out = torch.full((4,), rank + 1.0), torch.empty(4 * world)
+    y = x.clone()                # its own tensor: an in-place all-reduce of x could race the gather still reading x
     with buffers._coalescing_manager(None, async_ops=True) as cm:
         buffers.dist_all_gather_func(out, x, async_op=True)      # Megatron's alias, bound at its import
-        dist.all_reduce(x, async_op=True)
+        dist.all_reduce(y, async_op=True)
     recorded = len(cm.works)
     cm.wait()
     with buffers._coalescing_manager(None, async_ops=False) as sync:
         dist.all_reduce(torch.ones(1), async_op=True)
-    return recorded, len(cm.works), len(sync.works), out.tolist(), x.tolist()
+    return recorded, len(cm.works), len(sync.works), out.tolist(), y.tolist()
 
 
 def test_shared_gpu_runs_megatrons_coalesced_collectives_one_by_one(pools):
