@@ -339,22 +339,31 @@ def test_surrogate_out_fp16_large_delta_stays_finite():
     assert _rel(_rowsum(do, out), delta.double()) <= 1e-6
 
 
+def fp16_large_case(case: str):
+    """(dO, O) fp16 on the CPU whose D only a saturated surrogate carries: |D| near max|O| * sum|dO| with O at or
+    near 65504 (also tests/test_surrogate.py's, for the kernel)."""
+    g = torch.Generator().manual_seed(15)
+    if case == "v600":                             # D / max|dO| > 65504
+        do = torch.full((1, 3, 2, 128), 0.9, dtype=torch.float16)
+        do[..., 5] = 1.0
+        return do, torch.full_like(do, 600.0)
+    if case == "issue15":
+        do = torch.full((1, 5, 2, 128), 0.5, dtype=torch.float16)
+        return do, (1500 + torch.randn(1, 5, 2, 128, generator=g)).half()
+    if case == "o_at_max":                         # the extreme: every entry of O at +-65504 along dO
+        do = torch.randn(1, 5, 2, 128, generator=g).half()
+        return do, torch.where(do > 0, 65504.0, -65504.0).half()
+    do = torch.full((1, 5, 2, 128), 1e-3, dtype=torch.float16)    # one_hot_do: one large dO entry, the rest tiny
+    do[..., 0] = 1.0
+    return do, torch.full_like(do, 60000.0)
+
+
 @pytest.mark.parametrize("case", ("issue15", "o_at_max", "one_hot_do"))
 def test_surrogate_out_fp16_needs_many_entries(case):
     """D beyond what two fp16 entries can carry (issue 15: dO = 0.5, O ~ 1500, d = 128 gives D = 96000 and
     a two-entry surrogate clamped at 65504 lost a third of it). Any D of a real fp16 O fits: |D| <=
     max|O| * sum|dO|, so saturating the largest |dO| entries at 65504 always reaches it."""
-    g = torch.Generator().manual_seed(15)
-    if case == "issue15":
-        do = torch.full((1, 5, 2, 128), 0.5, dtype=torch.float16)
-        o = (1500 + torch.randn(1, 5, 2, 128, generator=g)).half()
-    elif case == "o_at_max":                       # the extreme: every entry of O at +-65504 along dO
-        do = torch.randn(1, 5, 2, 128, generator=g).half()
-        o = torch.where(do > 0, 65504.0, -65504.0).half()
-    else:                                          # one large dO entry, the rest tiny
-        do = torch.full((1, 5, 2, 128), 1e-3, dtype=torch.float16)
-        do[..., 0] = 1.0
-        o = torch.full_like(do, 60000.0)
+    do, o = fp16_large_case(case)
     delta = attention_delta(do, o)
     out = surrogate_out(do, delta)
     assert torch.isfinite(out).all() and out.dtype == torch.float16

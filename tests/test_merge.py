@@ -14,7 +14,7 @@ DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOL = dict(rtol=1e-5, atol=1e-5)
 pytestmark = pytest.mark.skipif(not available(DEV),
                                 reason="SKIPPED LOUDLY: triton is not installed (pip install triton), so the "
-                                       "merge kernels cannot run here, not even interpreted")
+                                       "accumulation kernel cannot run here, not even interpreted")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: run on the device machine")
 
 

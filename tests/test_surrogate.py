@@ -13,6 +13,8 @@ import torch
 
 from megatron_cp_plugin.kernels import surrogate as sg
 
+from .test_local_attn import fp16_large_case
+
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.skipif(not sg.available(DEV),
                                 reason="SKIPPED LOUDLY: triton is not installed (pip install triton), so the "
@@ -118,21 +120,7 @@ def test_short_rows(dt, d):
 def test_fp16_large_delta(case):
     """fp16 rows whose D only a saturated surrogate carries (test_local_attn's cases): |D| near max|O| * sum|dO|
     with O at or near 65504; kernel finite and exact to fp32 like the reference."""
-    g = torch.Generator().manual_seed(15)
-    if case == "v600":                              # D / max|dO| > 65504
-        do = torch.full((1, 3, 2, 128), 0.9, dtype=torch.float16)
-        do[..., 5] = 1.0
-        o = torch.full_like(do, 600.0)
-    elif case == "issue15":
-        do = torch.full((1, 5, 2, 128), 0.5, dtype=torch.float16)
-        o = (1500 + torch.randn(1, 5, 2, 128, generator=g)).half()
-    elif case == "o_at_max":                        # every entry of O at +-65504 along dO
-        do = torch.randn(1, 5, 2, 128, generator=g).half()
-        o = torch.where(do > 0, 65504.0, -65504.0).half()
-    else:                                           # one large dO entry, the rest tiny
-        do = torch.full((1, 5, 2, 128), 1e-3, dtype=torch.float16)
-        do[..., 0] = 1.0
-        o = torch.full_like(do, 60000.0)
+    do, o = fp16_large_case(case)
     do, o = do.to(DEV), o.to(DEV)
     delta = (do.float() * o.float()).sum(-1).transpose(1, 2).contiguous()
     out = _kernel(do, delta)

@@ -88,9 +88,9 @@ def _triton_ok(*ts: torch.Tensor) -> bool:
             and not (torch.is_grad_enabled() and any(t.requires_grad for t in ts)))
 
 
-def _tile(d: int, max_block_d: int) -> tuple[int, int, int]:
-    """(BLOCK_D, rows per program, num_warps) for rows of d elements."""
-    block_d = min(triton.next_power_of_2(d), max_block_d)
+def _tile(d: int) -> tuple[int, int, int]:
+    """(BLOCK_D, rows per program, num_warps) for rows of d elements (wider rows in 1024-wide blocks)."""
+    block_d = min(triton.next_power_of_2(d), 1024)
     tile = _TILE_INTERPRET if os.environ.get("TRITON_INTERPRET") == "1" else _TILE
     return block_d, max(1, tile // block_d), 4
 
@@ -117,7 +117,7 @@ def accumulate_(acc: torch.Tensor, x: torch.Tensor, copy: bool = False) -> None:
     shape = (1,) * pad + tuple(acc.shape)
     sa, sx = (0,) * pad + acc.stride(), (0,) * pad + x.stride()
     n0, n1, n2, d = shape
-    block_d, block_r, warps = _tile(d, max_block_d=1024)
+    block_d, block_r, warps = _tile(d)
     rows = n0 * n1 * n2
     block_r = min(block_r, triton.next_power_of_2(rows))
     d_blocks = triton.cdiv(d, block_d)
