@@ -67,9 +67,12 @@ def test_run_the_planner_says_does_not_fit_is_not_started(tmp_path, monkeypatch,
     from megatron_cp_plugin.bench import _common, model
 
     flags = ["--config", str(REPO / "configs/tiny.toml"), "--seq-length", "4096", "--train-iters", "3"]
-    cp1 = model.plan_need(flags + ["--context-parallel-size", "1"], 1, 0.0)[0]
-    cp2 = model.plan_need(flags + ["--context-parallel-algo", "ring", "--context-parallel-size", "2"], 2, 0.0)[0]
-    assert cp1 < cp2                               # CPU ranks share the host: two ranks' peaks add up
+    (cp1, peak1, _), (cp2, peak2, _) = (
+        model.plan_need(flags + ["--context-parallel-size", "1"], 1, 0.0),
+        model.plan_need(flags + ["--context-parallel-algo", "ring", "--context-parallel-size", "2"], 2, 0.0))
+    # CPU ranks (and ranks sharing one GPU) add up, so CP = 2 needs more; on 2 GPUs a CP = 2 rank needs less.
+    fits, refused = (1, "ring") if cp1 < cp2 else (2, "CP=1")
+    assert cp1 != cp2
     monkeypatch.setattr(_common, "free_bytes", lambda device: (cp1 + cp2) / 2)
     started = []
 
@@ -78,10 +81,13 @@ def test_run_the_planner_says_does_not_fit_is_not_started(tmp_path, monkeypatch,
         return {"status": "ok", "world_size": nproc, "seq_length": 4096, "step_time_median_s": 0.1,
                 "tokens_per_s": 1.0, "tflops_per_gpu": 1.0, "peak_mem_gb": 0.0, "losses": [5.0, 4.0]}
     monkeypatch.setattr(model, "_run", fake_run)
-    assert model.main(["--nproc", "2", "--algos", "ring", "--out", str(tmp_path / "m"), *flags]) == 0
-    assert started == [1]
+    # --plan-headroom 0: the needs above (a GPU adds 4 GiB by default)
+    assert model.main(["--nproc", "2", "--algos", "ring", "--plan-headroom", "0", "--out", str(tmp_path / "m"),
+                       *flags]) == 0
+    assert started == [fits]
     rows = {r["run"]: r for r in json.loads((tmp_path / "m.json").read_text())["rows"]}
-    assert rows["CP=1"]["step_ms"] > 0 and rows["CP=1"]["plan_GiB"] == pytest.approx(cp1 / 2**30)
-    assert rows["ring"]["not_run"].startswith("not run: needs ") and "step_ms" not in rows["ring"]
+    ran = rows["CP=1" if fits == 1 else "ring"]
+    assert ran["step_ms"] > 0 and ran["plan_GiB"] == pytest.approx((peak1 if fits == 1 else peak2) / 2**30)
+    assert rows[refused]["not_run"].startswith("not run: needs ") and "step_ms" not in rows[refused]
     assert rows["ring"]["plan"].startswith("plan (ddp, CP = 2): weights ")        # tiny.toml: Megatron DDP
-    assert capsys.readouterr().out.count("model: ring: not run: needs ") == 1
+    assert capsys.readouterr().out.count(f"model: {refused}: not run: needs ") == 1
