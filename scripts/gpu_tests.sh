@@ -4,8 +4,8 @@
 # counts, writes $OUT/gpu_tests.log and $OUT/junit.xml, exits non-zero on any failure.
 # Needs the megatron-core wheel in .whl/ where the GPU image has none (docs/testing.md).
 #   OUT=dir bash scripts/gpu_tests.sh [pytest args]        (TESTS="tests/a.py tests/b.py": those files only)
-#   SHARD=1/2 ... SHARD=2/2: every second test file (sorted), so that the suite fits two calls of under 10 minutes
-#   (the whole suite took 575+ s on 2 x H200 on 2026-11-26)
+#   SHARD=1/2 ... SHARD=2/2: two sets of test files of about equal time, so that the suite fits two calls of under
+#   10 minutes (the whole suite took 575+ s on 2 x H200 on 2026-11-26; 531 + 144 s on one H200 in two file sets)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results}; mkdir -p "$OUT"
@@ -19,15 +19,27 @@ export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 MCP_FAULT_TIMEOUT=${MCP_FAULT_TIMEO
 DEVICE=$(python3 -c "import torch; print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU')")
 # xdist workers: the suite is mostly process start-up and gloo ranks on the CPU cores (16 on the lent machines).
 WORKERS=${WORKERS:-$(( $(nproc) > 16 ? 12 : $(nproc) * 3 / 4 ))}
-if [ -n "${SHARD:-}" ]; then
-  i=${SHARD%/*}; n=${SHARD#*/}
-  TESTS=$(ls tests/test_*.py | sort | awk -v i="$i" -v n="$n" '(NR - 1) % n == i - 1' | tr '\n' ' ')
-fi
+# The test files, longest first (scripts/test_seconds.tsv; a file not in it counts 30 s): xdist hands tests out in
+# collection order, so the long files start first instead of ending the run alone. SHARD=i/n: the i-th of n sets
+# of files of about equal seconds (each file to the set with the fewest so far, longest file first).
+TESTS=${TESTS:-$(python3 - "${SHARD:-1/1}" <<'PY'
+import glob, sys
+i, n = map(int, sys.argv[1].split("/"))
+secs = dict((f, float(t)) for t, f in (ln.split() for ln in open("scripts/test_seconds.tsv") if ln[0] != "#"))
+files = sorted(glob.glob("tests/test_*.py"), key=lambda f: (-secs.get(f, 30.0), f))
+load, mine = [0.0] * n, []
+for f in files:
+    s = min(range(n), key=load.__getitem__)
+    load[s] += secs.get(f, 30.0)
+    mine += [f] if s == i - 1 else []
+print(" ".join(mine))
+PY
+)}
 # Failures named as they happen (tests/conftest.py): a run cut off by LIMIT has no pytest summary.
 export MCP_FAILURE_LOG="$OUT/failures.txt"; : > "$MCP_FAILURE_LOG"
 start=$SECONDS
 timeout "${LIMIT:-570}" python3 -m pytest -q -n "$WORKERS" --timeout 500 -p no:cacheprovider \
-  --junitxml "$OUT/junit.xml" ${TESTS:-tests} "$@" 2>&1 | tee "$OUT/gpu_tests.log"
+  --junitxml "$OUT/junit.xml" $TESTS "$@" 2>&1 | tee "$OUT/gpu_tests.log"
 rc=${PIPESTATUS[0]}
 counts=$(grep -E "^[0-9]+ (passed|failed)|[0-9]+ (passed|failed).* in " "$OUT/gpu_tests.log" | tail -1)
 echo "gpu_tests: $(date -u +%F) on $DEVICE, $((SECONDS - start)) s, ${WORKERS} workers${SHARD:+, shard $SHARD}: ${counts:-no summary} (rc=$rc)" | tee "$OUT/summary.txt"

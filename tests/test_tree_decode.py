@@ -9,6 +9,9 @@ import torch
 import megatron_cp_plugin as mcp
 from megatron_cp_plugin.algos.tree_decode import VARIANTS
 
+NO_INTERPRETER = ("SKIPPED LOUDLY: the flash-decoding kernel cannot run interpreted on CPU here (Triton missing, or a GPU "
+                  "machine, where TRITON_INTERPRET is unset and tests/test_flash_decode.py runs it compiled)")
+
 
 def _reference(q, k, v, vis):
     """fp64 attention of q [b, n, h, d] over the whole cache k, v [b, S, h_kv, d], vis [b, n, S]."""
@@ -73,7 +76,7 @@ def test_tree_decode_matches_fp64_reference(pools, world, variant):
 def test_tree_decode_with_the_triton_kernel(pools, world, variant):
     from megatron_cp_plugin.kernels.flash_decode import available
     if not available(torch.device("cpu")):
-        pytest.skip("SKIPPED LOUDLY: triton not installed, the flash-decoding kernel cannot run interpreted")
+        pytest.skip(NO_INTERPRETER)
     assert all(pools(world).run(_cases, variant, "triton"))
 
 
@@ -148,5 +151,5 @@ def _lengths_cases(rank, world, variant, backend):
 def test_tree_decode_with_kv_lengths_of_a_fixed_capacity_cache(pools, world, variant, backend):
     from megatron_cp_plugin.kernels.flash_decode import available
     if backend == "triton" and not available(torch.device("cpu")):
-        pytest.skip("SKIPPED LOUDLY: triton not installed, the flash-decoding kernel cannot run interpreted")
+        pytest.skip(NO_INTERPRETER)
     assert all(pools(world).run(_lengths_cases, variant, backend))
