@@ -43,5 +43,5 @@ timeout "${LIMIT:-570}" python3 -m pytest -q -n "$WORKERS" --timeout 500 -p no:c
 rc=${PIPESTATUS[0]}
 counts=$(grep -E "^[0-9]+ (passed|failed)|[0-9]+ (passed|failed).* in " "$OUT/gpu_tests.log" | tail -1)
 echo "gpu_tests: $(date -u +%F) on $DEVICE, $((SECONDS - start)) s, ${WORKERS} workers${SHARD:+, shard $SHARD}: ${counts:-no summary} (rc=$rc)" | tee "$OUT/summary.txt"
-cat "$MCP_FAILURE_LOG"
+grep "^FAILED" "$MCP_FAILURE_LOG"        # with the end of each report there
 exit "$rc"

@@ -20,12 +20,14 @@ from .dist_pool import DistPool
 
 
 def pytest_runtest_logreport(report):
-    """MCP_FAILURE_LOG=path: each failing test's id, appended as it fails (on the xdist controller), so that a run
-    killed by its time limit before pytest's summary still names its failures (scripts/gpu_tests.sh sets it)."""
+    """MCP_FAILURE_LOG=path: each failing test's id and the end of its report, appended as it fails (on the xdist
+    controller), so that a run killed by its time limit before pytest's summary still names and shows its failures
+    (scripts/gpu_tests.sh sets it)."""
     path = os.environ.get("MCP_FAILURE_LOG")
     if path and report.failed and "PYTEST_XDIST_WORKER" not in os.environ:   # workers relay theirs to the controller
         with open(path, "a") as f:
             f.write(f"FAILED {report.nodeid} ({report.when})\n")
+            f.write("".join(f"    {ln}\n" for ln in report.longreprtext[-4000:].splitlines()))   # its last lines
 
 
 @pytest.fixture(scope="module")

@@ -90,7 +90,8 @@ def test_generate_reads_config_and_checkpoint_and_reports_the_floor(checkpoint):
         assert needle in r.stdout, r.stdout
     res = json.loads(out.read_text())
     assert len(res["tokens"]) == 2 and res["tokens"][0] == res["tokens"][1] and len(res["tokens"][0]) == NEW
-    assert res["world"] == 2 and res["graphed"] is False and len(res["token_ms"]) == NEW - 1
+    # Graphed where each rank has a GPU (NCCL: 2 GPUs); eager on CPU and where ranks share one (gloo)
+    assert res["world"] == 2 and res["graphed"] is (torch.cuda.device_count() >= 2) and len(res["token_ms"]) == NEW - 1
     # Equal tokens mean something only if they vary (the fixture's model counts up from the prompt).
     assert variety(res["tokens"]) is None, variety(res["tokens"])
     assert res["distinct_tokens"] == [len(set(res["tokens"][0]))] * 2 and res["random_weights"] is False

@@ -89,5 +89,5 @@ def test_run_the_planner_says_does_not_fit_is_not_started(tmp_path, monkeypatch,
     ran = rows["CP=1" if fits == 1 else "ring"]
     assert ran["step_ms"] > 0 and ran["plan_GiB"] == pytest.approx((peak1 if fits == 1 else peak2) / 2**30)
     assert rows[refused]["not_run"].startswith("not run: needs ") and "step_ms" not in rows[refused]
-    assert rows["ring"]["plan"].startswith("plan (ddp, CP = 2): weights ")        # tiny.toml: Megatron DDP
+    assert rows[refused]["plan"].startswith(f"plan (ddp, CP = {3 - fits}): weights ")  # tiny.toml: Megatron DDP
     assert capsys.readouterr().out.count(f"model: {refused}: not run: needs ") == 1
