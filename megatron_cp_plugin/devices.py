@@ -27,6 +27,24 @@ def gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def gpu_capacity_gib() -> float | None:
+    """GiB a process can have on the smallest GPU here as the driver reports it: nvidia-smi's memory.total less
+    memory.reserved (the driver's and firmware's share; total alone where the driver does not report it), or None
+    where nvidia-smi does not answer. Through nvidia-smi so that the launching process creates no CUDA context,
+    which would hold memory on GPU 0 for the whole run. (An H200 sold as 141 GB gave CUDA 139.8 GiB.)"""
+    import subprocess
+    for fields in ("memory.total,memory.reserved", "memory.total"):
+        try:
+            out = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True, timeout=30)
+            per_gpu = [[float(x) for x in line.split(",")] for line in out.stdout.strip().splitlines()]
+        except (OSError, ValueError, subprocess.TimeoutExpired):
+            continue
+        if out.returncode == 0 and per_gpu:
+            return min(mib[0] - sum(mib[1:]) for mib in per_gpu) / 1024
+    return None
+
+
 def sharing(flag: bool = False) -> bool:
     """Whether this process runs in the shared-GPU mode: the flag, or MCP_SHARE_GPU set (and not 0)."""
     return bool(flag) or os.environ.get(SHARE_ENV, "") not in ("", "0")

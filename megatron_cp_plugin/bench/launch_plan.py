@@ -24,10 +24,7 @@ import re
 import sys
 
 from . import plan
-
-RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
-"""configs/recompute-full.toml: Megatron-LM's full layer-wise recompute, one layer per checkpoint."""
-
+from ..training.memory_check import RECOMPUTE, candidates, config_layout, layout_args  # noqa: F401
 
 def parse_layout(name: str, trainer: str) -> plan.Layout:
     """A planner layout from its name ("fsdp-optim_grads_params+recompute", "pp8-zero1 +recompute", "fsdp")."""
@@ -43,35 +40,6 @@ def parse_layout(name: str, trainer: str) -> plan.Layout:
     names = "zero1, fsdp-optim, fsdp-optim_grads, fsdp-optim_grads_params" + (", ppN-zero1" if trainer ==
                                                                               "megatron-lm" else "")
     raise ValueError(f"LAYOUT {name!r}: expected auto, config or one of {names}, each optionally +recompute")
-
-
-def config_layout(a) -> plan.Layout:
-    """The layout the parsed megatron-cp-pretrain flags describe."""
-    from ..training.config import recompute_kwargs, sharding_strategy
-    strategy = sharding_strategy(a)
-    zero = f"fsdp-{strategy}" if strategy else "zero1" if a.use_distributed_optimizer else "ddp"
-    return plan.Layout(zero, 1, recompute_kwargs(a).get("recompute_granularity") == "full")
-
-
-def layout_args(layout: plan.Layout) -> list[str]:
-    """megatron-cp-pretrain flags that select `layout` on top of the configs' (appended: they win)."""
-    out = {"ddp": [], "zero1": ["--use-distributed-optimizer"]}.get(layout.zero)
-    if out is None:
-        out = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", layout.zero.split("-", 1)[1]]
-    return out + (RECOMPUTE if layout.recompute else [])
-
-
-def candidates(a, m: plan.Model, gpus: int, trainer: str) -> list[plan.Layout]:
-    """Layouts auto may pick, in plan.recommend's order, consistent with what the flags already force."""
-    forced = config_layout(a)
-    order = [plan.Layout(z, 1, rc) for rc in (False, True) for z in plan.PREFERENCE]
-    if trainer == "megatron-lm" and a.context_parallel_size is None:
-        order += [lay for lay in plan.layouts(m, gpus) if lay.pp > 1]
-    if forced.recompute:
-        order = [lay for lay in order if lay.recompute]
-    if a.use_megatron_fsdp:
-        order = [lay for lay in order if lay.zero == forced.zero]
-    return order
 
 
 def choose(a, trainer: str, layout: str, gpus: int, gpu_mem: float, headroom: float, force: bool):

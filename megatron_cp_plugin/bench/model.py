@@ -105,6 +105,8 @@ def main(argv=None):
         raise SystemExit(f"megatron-cp-bench: error: {refuse}")
     if "--train-iters" not in flags:
         flags += ["--train-iters", "8"]
+    if a.force:                        # megatron-cp-pretrain's own check (training/memory_check.py) would refuse
+        flags += ["--no-memory-check"]
     peak = matmul_peak_tflops()
     dev = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     planned = {}

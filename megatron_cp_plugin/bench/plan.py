@@ -3,295 +3,52 @@
     megatron-cp-bench plan --config configs/gpt3-175b.toml --gpus 64 --gpu-mem 80
     megatron-cp-bench plan --config configs/gpt3-13b.toml --gpus 2 --gpu-mem 141 --seq-length 32768 --json out.json
 
-The model flags are megatron-cp-pretrain's (--config files, then any flag on the command line). Every GPU is
-in context parallelism unless a layout has pipeline stages (the Attention2D paper's setting: DP = TP = 1), so
-one GPU holds S / CP tokens of each sequence. Layouts:
-  ddp                        Megatron DDP, Megatron's optimizer: everything replicated
-  zero1                      --use-distributed-optimizer: fp32 main params + Adam sharded over the CP group
-  fsdp-optim                 --use-megatron-fsdp --data-parallel-sharding-strategy optim (ZeRO-1)
-  fsdp-optim_grads           ... optim_grads (ZeRO-2: gradients sharded too)
-  fsdp-optim_grads_params    ... optim_grads_params (ZeRO-3: bf16 weights sharded, gathered per layer)
-  ppN-zero1                  N pipeline stages of GPUs/N (Megatron-LM's 1F1B; megatron-cp-pretrain has no
-                             pipeline parallelism: run these through Megatron-LM with patches/), ZeRO-1 per stage
-each without and with full layer-wise recompute (--recompute-granularity full, 1 layer per checkpoint).
-
-Bytes per parameter (bf16 training, fp32 gradient buffer as the trainer configures it): weights 2, gradients 4,
-fp32 main weights 4, Adam moments 8; a sharded part is divided by the GPUs that shard it. Activations per
-layer, per token on a GPU, of what autograd keeps for the backward in Megatron's local GPT layer with the
-plugin's attention (element size e = 2): e x (5 h + (a + 2 g) d + (a + g) d + 2 f + 4 d) + 4 a + 8, i.e. the
-inputs of the two norms, QKV and FC1, the fused QKV output, the rotated q and k, the attention output (also
-the projection's input), the FC1 and activation outputs, RoPE's cos and sin, fp32 lse and norm statistics.
-The norms count as torch's fused RMSNorm on GPUs keeps them (input + fp32 1/rms; CPU torch keeps fp32 copies
-instead). Full recompute keeps e x h per layer and rebuilds one layer at a time. At the loss: the fp32
-softmax (4 x vocab bytes per token, kept) and the bf16 logits or their gradient; while a layer runs, the CP
-algorithm's K/V blocks in flight and the gradients of its largest activations. Megatron-FSDP also holds
-gathered units: ZeRO-3 the current and the prefetched layer (weights) and the root unit (embedding, output
-layer) with its fp32 gradients for the whole step, ZeRO-2 one layer's and the root's gradients.
+The arithmetic (the layouts, the terms, the formulas) is megatron_cp_plugin/cost/memory.py and
+cost/memory_terms.py; this module is its command line and keeps the names other code imports from it.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import sys
-from dataclasses import dataclass
 
-GiB = 2**30
-ZERO_LAYOUTS = ("ddp", "zero1", "fsdp-optim", "fsdp-optim_grads", "fsdp-optim_grads_params")
-
-
-@dataclass(frozen=True)
-class Model:
-    """A GPT's shape and one micro-batch (TP = 1)."""
-
-    layers: int
-    """Transformer layers."""
-    hidden: int
-    """Hidden size h."""
-    heads: int
-    """Query heads a."""
-    groups: int
-    """Key/value heads g (= a without GQA)."""
-    ffn: int
-    """FFN hidden size f."""
-    vocab: int
-    """Vocabulary (padded), embedding and output layer untied."""
-    seq: int
-    """Sequence length S."""
-    micro_batch: int = 1
-    """Sequences per micro-batch."""
-    bf16: bool = True
-    """bf16 weights and activations with fp32 main weights (else fp32 throughout)."""
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
-
-    @property
-    def layer_params(self) -> int:
-        """QKV (+ bias), projection (+ bias), FC1 and FC2 (+ biases), two RMSNorm weights."""
-        h, f, qkv = self.hidden, self.ffn, (self.heads + 2 * self.groups) * self.head_dim
-        return h * qkv + qkv + h * h + h + h * f + f + f * h + h + 2 * h
-
-    @property
-    def root_params(self) -> int:
-        """Embedding, output layer and final norm (Megatron-FSDP's root unit)."""
-        return 2 * self.vocab * self.hidden + self.hidden
-
-    @property
-    def params(self) -> int:
-        return self.layers * self.layer_params + self.root_params
-
-    @property
-    def elem(self) -> int:
-        return 2 if self.bf16 else 4
-
-    def layer_activation_bytes_per_token(self, norms: bool = True) -> float:
-        """What autograd keeps per token for one layer's backward (see the module docstring); norms=False leaves
-        out the two RMSNorms' own saved tensors (their inputs and fp32 statistics)."""
-        h, a, g, d, f, e = self.hidden, self.heads, self.groups, self.head_dim, self.ffn, self.elem
-        kept = e * (3 * h + (a + 2 * g) * d + (a + g) * d + 2 * f + 4 * d) + 4 * a
-        return kept + (2 * (e * h + 4) if norms else 0)
-
-    def final_activation_bytes_per_token(self, norms: bool = True) -> float:
-        """The final norm's input, the output layer's input and the loss's fp32 softmax."""
-        return self.elem * self.hidden + 4 * self.vocab + ((self.elem * self.hidden + 4) if norms else 0)
-
-
-@dataclass(frozen=True)
-class Layout:
-    """How the parameters, gradients and optimizer state are spread, and whether layers are recomputed."""
-
-    zero: str
-    """One of ZERO_LAYOUTS."""
-    pp: int = 1
-    """Pipeline stages (1: none)."""
-    recompute: bool = False
-    """Full layer-wise activation recompute."""
-
-    @property
-    def name(self) -> str:
-        base = self.zero if self.pp == 1 else f"pp{self.pp}-{self.zero}"
-        return base + (" +recompute" if self.recompute else "")
-
-    def flags(self) -> str:
-        """The megatron-cp-pretrain (or Megatron-LM) flags of this layout."""
-        z = {"ddp": "", "zero1": "--use-distributed-optimizer"}.get(self.zero)
-        if z is None:
-            z = f"--use-megatron-fsdp --data-parallel-sharding-strategy {self.zero.split('-', 1)[1]}"
-        pp = f" --pipeline-model-parallel-size {self.pp} (Megatron-LM)" if self.pp > 1 else ""
-        rc = " --recompute-granularity full" if self.recompute else ""
-        return (z + pp + rc).strip() or "(defaults)"
-
-
-@dataclass
-class Estimate:
-    """Per-GPU bytes of one layout (the most loaded GPU: the first pipeline stage, or the last)."""
-
-    layout: Layout
-    cp: int
-    """GPUs in context parallelism (one pipeline stage)."""
-    tokens: int
-    """Tokens of one micro-batch on one GPU (micro-batch x S / CP)."""
-    weights: float
-    grads: float
-    optimizer: float
-    """fp32 main weights + Adam moments."""
-    activations: float
-    """Kept for the backward, summed over the stage's layers and micro-batches in flight."""
-    transient: float
-    """The largest of the loss's logits, one layer's recompute and working set, CP buffers, FSDP's gathered
-    units (whichever coincide at the peak)."""
-
-    @property
-    def total(self) -> float:
-        return self.weights + self.grads + self.optimizer + self.activations + self.transient
-
-    def row(self, gpu_mem_gib: float | None = None, headroom_gib: float = 0.0) -> dict:
-        r = {"layout": self.layout.name, "CP": self.cp, "tokens/GPU": self.tokens,
-             **{k: getattr(self, k) / GiB for k in ("weights", "grads", "optimizer", "activations", "transient",
-                                                   "total")}}
-        if gpu_mem_gib is not None:
-            r["fits"] = self.total / GiB + headroom_gib <= gpu_mem_gib
-        r["flags"] = self.layout.flags()
-        return r
-
-
-def static_bytes(m: Model, zero: str, params: float, root: float, layer: float, shards: int) -> tuple:
-    """(weights, grads, optimizer, transient) bytes for `params` parameters of which `root` / `layer` are the
-    root unit / one layer, sharded over `shards` GPUs as `zero` says."""
-    w, main = m.elem, (4 if m.bf16 else 0)           # fp32 training: the weights are the main weights
-    opt = (main + 8) * params
-    if zero == "ddp":
-        return w * params, 4 * params, opt, 0.0
-    if zero in ("zero1", "fsdp-optim"):
-        return w * params, 4 * params, opt / shards, 0.0
-    if zero == "fsdp-optim_grads":
-        return w * params, 4 * params / shards, opt / shards, 4.0 * (root + layer)
-    if zero == "fsdp-optim_grads_params":
-        return w * params / shards, 4 * params / shards, opt / shards, w * (root + 2 * layer) + 4.0 * (root + layer)
-    raise ValueError(f"layout must be one of {ZERO_LAYOUTS}, got {zero!r}")
-
-
-def estimate(m: Model, layout: Layout, gpus: int) -> Estimate:
-    """Per-GPU bytes of m under layout on `gpus` GPUs (CP = gpus / pipeline stages)."""
-    if gpus < 1 or gpus % layout.pp:
-        raise ValueError(f"--gpus {gpus} must be a positive multiple of the pipeline stages ({layout.pp})")
-    if m.layers % layout.pp:
-        raise ValueError(f"{layout.pp} pipeline stages do not divide {m.layers} layers")
-    cp = gpus // layout.pp
-    t = m.micro_batch * m.seq // cp
-    per_stage = m.layers // layout.pp
-    emb, out = m.vocab * m.hidden, m.vocab * m.hidden + m.hidden
-    h, e = m.hidden, m.elem
-    act = m.layer_activation_bytes_per_token() * t
-    kept = (e * h * t) if layout.recompute else act          # per layer, per micro-batch in flight
-    final = m.final_activation_bytes_per_token() * t
-    logits = e * m.vocab * t                                 # the bf16 logits (or their gradient) at the loss
-    working = 2 * e * m.ffn * t + 4 * e * m.groups * m.head_dim * t   # activation grads, K/V blocks in flight
-    layer_run = working + (act if layout.recompute else 0.0)
-
-    def stage(params, root, in_flight, has_loss):
-        wb, gb, ob, fs = static_bytes(m, layout.zero, params, root, m.layer_params, cp)
-        acts = per_stage * in_flight * kept + (final if has_loss else 0.0)
-        tr = max(logits if has_loss else 0.0, layer_run) + fs
-        return Estimate(layout, cp, t, wb, gb, ob, acts, tr)
-
-    if layout.pp == 1:
-        return stage(m.params, m.root_params, 1, True)
-    # 1F1B: the first stage keeps pp micro-batches in flight, the last one; embedding first, output layer last.
-    first = stage(per_stage * m.layer_params + emb, emb, layout.pp, False)
-    last = stage(per_stage * m.layer_params + out, out, 1, True)
-    return max(first, last, key=lambda x: x.total)
-
-
-def layouts(m: Model, gpus: int) -> list[Layout]:
-    out = [Layout(z, 1, rc) for rc in (False, True) for z in ZERO_LAYOUTS]
-    pp = 2
-    while pp <= min(gpus, m.layers):
-        if gpus % pp == 0 and m.layers % pp == 0:
-            out += [Layout("zero1", pp, rc) for rc in (False, True)]
-        pp *= 2
-    return out
-
-
-def model_from_args(args) -> Model:
-    if getattr(args, "tensor_model_parallel_size", 1) != 1:
-        raise ValueError("--tensor-model-parallel-size: the planner models TP = 1 only")
-    from ..megatron.tokenizer import ByteTokenizer, padded_vocab_size
-    vocab = padded_vocab_size(args.vocab_size or ByteTokenizer(None).vocab_size,
-                              getattr(args, "make_vocab_size_divisible_by", 128))
-    return Model(layers=args.num_layers, hidden=args.hidden_size, heads=args.num_attention_heads,
-                 groups=args.num_query_groups or args.num_attention_heads,
-                 ffn=args.ffn_hidden_size or 4 * args.hidden_size, vocab=vocab, seq=args.seq_length,
-                 micro_batch=args.micro_batch_size, bf16=args.bf16)
-
-
-def plan(m: Model, gpus: int, gpu_mem_gib: float, headroom_gib: float = 4.0) -> list[dict]:
-    """One row per layout (GiB), ordered as layouts() lists them."""
-    return [estimate(m, lay, gpus).row(gpu_mem_gib, headroom_gib) for lay in layouts(m, gpus)]
-
-
-PREFERENCE = ("zero1", "fsdp-optim_grads", "fsdp-optim_grads_params")
-"""Less sharding first (less communication), recompute only when sharding alone does not fit, pipeline stages
-last (megatron-cp-pretrain has none)."""
-
-
-def recommend(m: Model, gpus: int, gpu_mem_gib: float, headroom_gib: float = 4.0) -> str | None:
-    """The first layout in PREFERENCE order (then with recompute, then pipeline stages) that fits, or None."""
-    fits = {r["layout"] for r in plan(m, gpus, gpu_mem_gib, headroom_gib) if r["fits"]}
-    order = [z for z in PREFERENCE] + [z + " +recompute" for z in PREFERENCE]
-    order += [lay.name for lay in layouts(m, gpus) if lay.pp > 1]
-    return next((name for name in order if name in fits), None)
-
-
-def recommendations(m: Model, gpu_mem_gib: float, counts=(1, 2, 4, 8, 16, 32, 64, 128)) -> list[tuple[int, str]]:
-    """(GPUs, layout) where the recommended layout changes, over `counts` (the first entry: the fewest GPUs
-    that fit at all)."""
-    out, last = [], None
-    for n in counts:
-        if m.micro_batch * m.seq % n:
-            continue
-        name = recommend(m, n, gpu_mem_gib)
-        if name is not None and name != last:
-            out.append((n, name))
-        last = name
-    return out
-
-
-COUNTS = (1, 2, 4, 8, 16, 32, 64, 128)
-
-
-def recommendation_line(m: Model, gpu_mem_gib: float, counts=COUNTS) -> str:
-    """"GPUs 4: a; 8: b; 16-128: c", what each GPT-3 config's comment says (tests/test_plan.py checks it)."""
-    recs = recommendations(m, gpu_mem_gib, counts)
-    if not recs:
-        return f"nothing fits on up to {counts[-1]} GPUs"
-    parts = []
-    for i, (n, name) in enumerate(recs):
-        end = recs[i + 1][0] // 2 if i + 1 < len(recs) else counts[-1]
-        parts.append(f"{n}: {name}" if end == n else f"{n}-{end}: {name}")
-    return "GPUs " + "; ".join(parts)
+from ..cost.memory import (  # noqa: F401
+    COUNTS, GiB, Estimate, Layout, Model, PREFERENCE, ZERO_LAYOUTS, estimate, layouts, plan, recommend,
+    recommendation_line, recommendations, static_bytes)
+from ..training.memory_check import model_from_args  # noqa: F401  (reads the trainer's flags)
 
 
 def main(argv=None) -> int:
+    from .. import devices
     from ..training.config import add_run_args, build_parser, parse_with_configs
 
     p = add_run_args(build_parser(__doc__))
     p.add_argument("--gpus", type=int, required=True, help="GPUs of the job (CP group x pipeline stages)")
-    p.add_argument("--gpu-mem", type=float, required=True, help="memory per GPU in GiB (H100: 80, H200: 141)")
+    p.add_argument("--gpu-mem", type=float, default=None,
+                   help="memory per GPU in GiB (default: what this machine's GPU reports, e.g. 139.8 on an H200; "
+                        "required without a GPU)")
     p.add_argument("--headroom", type=float, default=4.0,
                    help="GiB per GPU kept free for the CUDA context, NCCL and allocator slack (default 4)")
+    p.add_argument("--fused-adam", action="store_true",
+                   help="TransformerEngine or Apex is installed where the run trains: Megatron's FusedAdam keeps no "
+                        "temporaries (default: torch's foreach Adam, an fp32 temporary per parameter stepped)")
     p.add_argument("--json", default=None, help="also write the rows here")
     args = parse_with_configs(p, argv)
-    if args.gpus < 1 or args.gpu_mem <= 0:
+    mem, where = args.gpu_mem, "--gpu-mem"
+    if mem is None:
+        mem, where = devices.gpu_capacity_gib(), "as this machine's GPU reports"
+        if mem is None:
+            raise SystemExit("megatron-cp-bench plan: --gpu-mem is required on a machine without a GPU")
+    if args.gpus < 1 or mem <= 0:
         raise SystemExit("megatron-cp-bench plan: --gpus and --gpu-mem must be positive")
     m = model_from_args(args)
-    rows = plan(m, args.gpus, args.gpu_mem, args.headroom)
+    rows = plan(m, args.gpus, mem, args.headroom, args.fused_adam)
     print(f"plan: {m.params / 1e9:.2f}B parameters ({m.layers} layers, hidden {m.hidden}, heads {m.heads}/"
           f"{m.groups}, ffn {m.ffn}, vocab {m.vocab}), sequence {m.seq} x micro-batch {m.micro_batch}, "
-          f"{'bf16' if m.bf16 else 'fp32'}; {args.gpus} GPUs x {args.gpu_mem:g} GiB, {args.headroom:g} GiB headroom; "
-          "GiB per GPU")
-    cols = ("layout", "CP", "tokens/GPU", "weights", "grads", "optimizer", "activations", "transient", "total", "fits")
+          f"{'bf16' if m.bf16 else 'fp32'}, --context-parallel-algo {m.algo}; {args.gpus} GPUs x {mem:.4g} GiB "
+          f"({where}), {args.headroom:g} GiB headroom; GiB per GPU")
+    cols = ("layout", "CP", "tokens/GPU", "weights", "grads", "optimizer", "activations", "transient", "total", "fits",
+            "peak", "algo")
     print(" | ".join(f"{c:>24}" if c == "layout" else f"{c:>11}" for c in cols))
     for r in rows:
         print(" | ".join(f"{r[c]:>24}" if c == "layout" else f"{r[c]:>11.2f}" if isinstance(r[c], float)
@@ -301,7 +58,7 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": dataclasses.asdict(m), "params": m.params, "gpus": args.gpus,
-                       "gpu_mem_gib": args.gpu_mem, "headroom_gib": args.headroom, "rows": rows}, f, indent=1)
+                       "gpu_mem_gib": mem, "headroom_gib": args.headroom, "rows": rows}, f, indent=1)
     return 0
 
 

@@ -27,11 +27,12 @@ from ..megatron.tokenizer import padded_vocab_size
 from ..training.config import build_parser, parse_args
 from .patching import NO_TE_FLAGS, have_te
 
-DROPPED = {"config", "verbose", "result_json", "log_json", "nproc", "compare_cp1", "help", "tokenizer_type", "vocab_size",
-           "dist_timeout", "data_path", "mock_data", "num_query_groups", "max_position_embeddings",
+DROPPED = {"config", "verbose", "result_json", "log_json", "nproc", "compare_cp1", "no_memory_check", "share_gpu",
+           "help", "tokenizer_type", "vocab_size", "dist_timeout", "data_path", "mock_data", "num_query_groups", "max_position_embeddings",
            "context_parallel_size", "global_batch_size", "ffn_hidden_size", "seq_length"}
-"""Plugin-trainer flags that are not passed by name: its own (config, result_json, log_json, nproc,
-compare_cp1) or translated below."""
+"""Plugin-trainer flags that are not passed by name: its own (config, result_json, log_json, nproc, compare_cp1,
+share_gpu, no_memory_check: the launch scripts plan in launch/prepare.sh, where PLAN_FORCE=1 overrides) or
+translated below."""
 
 ZERO1_LIMIT = 24e9
 """Bytes per GPU of bf16 weights + fp32 gradients (6 B / parameter) up to which ZeRO-1 is chosen."""

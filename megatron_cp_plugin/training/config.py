@@ -91,6 +91,9 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     a("--share-gpu", action="store_true", help="let more ranks than GPUs run on this machine, sharing them over "
       "gloo with CUDA tensors (to verify on one GPU what runs on many; timings are not representative). Under "
       "torchrun / SLURM: MCP_SHARE_GPU=1")
+    a("--no-memory-check", action="store_true", help="start a run that the memory planner says will not fit its "
+      "GPUs (checked before any rank starts: the planned peak + 4 GiB against the capacity the GPU reports; "
+      "training/memory_check.py)")
     a("--log-json", default=None, help="append one JSON line per logged iteration to this file")
     a("--compare-cp1", action="store_true", help="first train the same model with CP = 1 (one process), then "
       "this run, and print both loss curves side by side")

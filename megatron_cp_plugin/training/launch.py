@@ -151,6 +151,21 @@ def check_world(args) -> None:
         sys.exit(2)
 
 
+def check_memory(args) -> None:
+    """The memory plan against the GPUs (training/memory_check.py), in the launching process for --nproc or in
+    each torchrun / SLURM rank before its first collective: a run that will not fit ends here in one line (rank
+    0's) naming the layouts that fit. Then the allocator default for the ranks (expandable segments)."""
+    from .memory_check import allocator_env, refusal
+    world = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else (args.nproc or 1)
+    line = refusal(args, world)
+    if line:
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"megatron-cp-pretrain: error: {line}", file=sys.stderr)
+            write_record(args, "failed", line, exit_code=2)
+        sys.exit(2)
+    allocator_env()
+
+
 def _drop_flags(argv: list[str], flags: tuple[str, ...]) -> list[str]:
     """argv without `flags` and their values (`--flag V` and `--flag=V`)."""
     out, skip = [], False
@@ -207,6 +222,7 @@ def main(argv=None) -> None:
             print(f"megatron-cp-pretrain: error: {line}", file=sys.stderr)
         sys.exit(2)
     check_world(args)
+    check_memory(args)
     if args.compare_cp1 and "RANK" not in os.environ:
         compare_cp1(argv, args)
         return

@@ -1,0 +1,124 @@
+"""megatron-cp-pretrain's memory check before any rank starts, its override, the allocator default and the GPU
+capacity it reads (training/memory_check.py, devices.gpu_capacity_gib); GPUs are simulated, nothing runs on one."""
+from __future__ import annotations
+
+import importlib
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from megatron_cp_plugin import devices
+from megatron_cp_plugin.training import memory_check
+from megatron_cp_plugin.training.config import parse_args
+
+REPO = Path(__file__).resolve().parents[1]
+H200 = 139.8                     # GiB the H200s of 2026-11-25 gave CUDA (sold as 141 GB)
+GPT3_13B = ["--config", str(REPO / "configs/gpt3-13b.toml"), "--seq-length", "32768", "--context-parallel-size", "2"]
+
+
+@pytest.fixture
+def gpus(monkeypatch):
+    """Pretend this machine has n GPUs of `gib` GiB (devices.gpu_count and gpu_capacity_gib)."""
+    def set_(n, gib=H200):
+        monkeypatch.setattr(devices, "gpu_count", lambda: n)
+        monkeypatch.setattr(devices, "gpu_capacity_gib", lambda: gib)
+    return set_
+
+
+def _sizes(flags, cp=2):
+    """{layout name: planned GiB per GPU} of the config's layout and the layouts the check may name instead."""
+    from megatron_cp_plugin.bench import launch_plan, plan
+    a = parse_args(flags)
+    m = plan.model_from_args(a)
+    lays = [launch_plan.config_layout(a)] + launch_plan.candidates(a, m, cp, "plugin")
+    return {lay.name: (lay, plan.estimate(m, lay, cp).total / plan.GiB) for lay in lays}
+
+
+def test_a_run_that_does_not_fit_is_refused_naming_the_layouts_that_do(gpus):
+    """GPT-3 13B at 32k on 2 GPUs with the configs' distributed optimizer (ZeRO-1), on GPUs just too small for it:
+    refused in one line naming, with their flags, the layouts the planner says fit; each named one then passes."""
+    from megatron_cp_plugin.bench import launch_plan
+    sizes = _sizes(GPT3_13B)
+    mine = sizes.pop("zero1")[1]
+    cap = mine + memory_check.HEADROOM_GIB - 1.0                         # ZeRO-1 misses by 1 GiB
+    fitting = [(lay, gib) for lay, gib in sizes.values() if gib + memory_check.HEADROOM_GIB <= cap]
+    assert fitting                                                       # FSDP's sharded layouts
+    gpus(2, cap)
+    line = memory_check.refusal(parse_args(GPT3_13B), 2)
+    assert line.startswith(f"the memory plan (zero1, CP = 2) needs {mine:.1f} GiB + 4 GiB headroom per GPU of "
+                           f"{cap:.1f} GiB; these fit: "), line
+    assert line.endswith("; --no-memory-check starts it anyway") and "\n" not in line
+    for lay, gib in fitting[:3]:
+        assert f"{lay.name} ({gib:.1f} GiB: {' '.join(launch_plan.layout_args(lay))})" in line
+        assert memory_check.refusal(parse_args(GPT3_13B + launch_plan.layout_args(lay)), 2) is None
+    gpus(2, min(g for _, g in sizes.values()) + memory_check.HEADROOM_GIB - 0.1)      # nothing fits
+    assert memory_check.refusal(parse_args(GPT3_13B), 2).endswith(
+        "; no layout fits: use more GPUs or a shorter --seq-length; --no-memory-check starts it anyway")
+
+
+def test_fitting_runs_no_gpu_tp_and_the_override_are_not_refused(gpus):
+    gpus(2)
+    assert memory_check.refusal(parse_args(["--config", str(REPO / "configs/tiny.toml")]), 2) is None
+    assert memory_check.refusal(parse_args(GPT3_13B + ["--no-memory-check"]), 2) is None
+    assert memory_check.refusal(parse_args(GPT3_13B + ["--tensor-model-parallel-size", "2"]), 4) is None
+    gpus(0)                                        # CPU ranks: the host's memory, not checked
+    assert memory_check.refusal(parse_args(GPT3_13B), 2) is None
+    gpus(2, None)                                  # nvidia-smi did not answer
+    assert memory_check.refusal(parse_args(GPT3_13B), 2) is None
+
+
+def test_ranks_sharing_a_gpu_add_up(gpus, monkeypatch):
+    """Two ranks on one GPU (--share-gpu) need twice one rank's plan: a run that fits one GPU per rank is refused
+    when both share it."""
+    monkeypatch.delenv(devices.SHARE_ENV, raising=False)
+    flags = ["--config", str(REPO / "configs/gpt3-760m.toml"), "--seq-length", "32768", "--context-parallel-size", "2"]
+    from megatron_cp_plugin.bench import launch_plan, plan
+    a = parse_args(flags)
+    one = plan.estimate(plan.model_from_args(a), launch_plan.config_layout(a), 2).total / plan.GiB
+    gpus(1, one + memory_check.HEADROOM_GIB + 1)                       # one rank fits, two do not
+    assert memory_check.refusal(parse_args(flags + ["--share-gpu"]), 2).startswith(
+        "the memory plan (zero1, CP = 2, 2 ranks per GPU) needs ")
+    gpus(2, one + memory_check.HEADROOM_GIB + 1)
+    assert memory_check.refusal(parse_args(flags + ["--share-gpu"]), 2) is None
+
+
+def test_pretrain_refuses_before_any_rank_starts(gpus, monkeypatch, capsys, tmp_path):
+    """megatron-cp-pretrain --nproc 2: one line on stderr, exit 2, the run record says why, launch() never runs."""
+    launch = importlib.import_module("megatron_cp_plugin.training.launch")
+    gpus(2)
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(launch, "launch", lambda *a, **k: pytest.fail("a rank was started"))
+    res = tmp_path / "res.json"
+    with pytest.raises(SystemExit) as e:
+        launch.main(GPT3_13B + ["--nproc", "2", "--mock-data", "--result-json", str(res)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("megatron-cp-pretrain: error: the memory plan (zero1, CP = 2)"), err
+    assert "the memory plan" in res.read_text()
+
+
+def test_allocator_default_and_its_override():
+    env = {}
+    assert memory_check.allocator_env(env)["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    for mine in ("backend:cudaMallocAsync", ""):              # the user's setting, "" (torch's default) included
+        assert memory_check.allocator_env({"PYTORCH_CUDA_ALLOC_CONF": mine})["PYTORCH_CUDA_ALLOC_CONF"] == mine
+
+
+def test_gpu_capacity_from_nvidia_smi(monkeypatch):
+    """total less reserved, the smallest GPU; total alone where the driver has no memory.reserved; None without
+    nvidia-smi."""
+    answers = []
+
+    def fake(cmd, **kw):
+        out, rc = answers.pop(0)
+        if isinstance(out, BaseException):
+            raise out
+        return subprocess.CompletedProcess(cmd, rc, out, "")
+    monkeypatch.setattr(subprocess, "run", fake)
+    answers[:] = [("143771, 616\n81559, 512\n", 0)]
+    assert devices.gpu_capacity_gib() == pytest.approx((81559 - 512) / 1024)
+    answers[:] = [('Field "memory.reserved" is not a valid field to query.\n', 2), ("81559\n", 0)]
+    assert devices.gpu_capacity_gib() == pytest.approx(81559 / 1024)
+    answers[:] = [(FileNotFoundError("nvidia-smi"), 0), (FileNotFoundError("nvidia-smi"), 0)]
+    assert devices.gpu_capacity_gib() is None
