@@ -91,3 +91,20 @@ def test_run_the_planner_says_does_not_fit_is_not_started(tmp_path, monkeypatch,
     assert rows[refused]["not_run"].startswith("not run: needs ") and "step_ms" not in rows[refused]
     assert rows[refused]["plan"].startswith(f"plan (ddp, CP = {3 - fits}): weights ")  # tiny.toml: Megatron DDP
     assert capsys.readouterr().out.count(f"model: {refused}: not run: needs ") == 1
+
+
+def test_each_run_reports_its_plan_against_its_measured_peak(tmp_path, monkeypatch):
+    """plan_vs_peak = the planner's peak / the run's measured peak - 1 (issue 35's 3 % bar), per run."""
+    from megatron_cp_plugin.bench import model
+
+    flags = ["--config", str(REPO / "configs/tiny.toml"), "--seq-length", "4096", "--train-iters", "3"]
+    planned = model.plan_need(flags + ["--context-parallel-algo", "ring", "--context-parallel-size", "2"], 2, 0.0)[1]
+
+    def fake_run(nproc, run_flags, out_json):
+        return {"status": "ok", "world_size": nproc, "seq_length": 4096, "step_time_median_s": 0.1,
+                "tokens_per_s": 1.0, "tflops_per_gpu": 1.0, "peak_mem_gb": 2 * planned / 2**30, "losses": [5.0]}
+    monkeypatch.setattr(model, "_run", fake_run)
+    assert model.main(["--nproc", "2", "--algos", "ring", "--no-cp1", "--force", "--out", str(tmp_path / "m"),
+                       *flags]) == 0
+    row, = json.loads((tmp_path / "m.json").read_text())["rows"]
+    assert row["plan_vs_peak"] == pytest.approx(-0.5)

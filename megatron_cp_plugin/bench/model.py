@@ -145,6 +145,9 @@ def main(argv=None):
                "MFU": tf / peak if peak else float("nan"), "peak_mem_GB": r.get("peak_mem_gb"),
                "plan_GiB": planned.get(name, float("nan")),
                "final_loss": losses[-1] if losses else float("nan")}
+        got = r.get("peak_mem_gb")                    # GiB (torch.cuda.max_memory_allocated / 2^30)
+        if got and name in planned:                   # issue 35: the planner within 3 % of the measured peak
+            row["plan_vs_peak"] = planned[name] / got - 1
         if ref and name != "CP=1":                    # only a CP = 1 run that finished gives a difference
             row["max_loss_diff_vs_cp1"] = max((abs(x - y) for x, y in zip(losses, ref)), default=float("nan"))
         rows.append(row)

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Issue 35 item 1 on 2 GPUs: the memory planner's per-GPU peak against the measured one, per CP algorithm, for
+# GPT-3 760M (ZeRO-1), 2.7B (distributed optimizer; Megatron-FSDP) and 13B (Megatron-FSDP + full recompute) at
+# 32k and 64k tokens, CP = 2. Each step is one `megatron-cp-bench model` run over every algorithm (3 iterations,
+# no CP = 1 run, --force: the planner under test must not decide what runs; megatron-cp-pretrain's own check is
+# off with it), whose table has plan_GiB, peak_mem_GB (GiB: torch.cuda.max_memory_allocated) and plan_vs_peak.
+# Everything stops by $BUDGET s (default 560: one device call); STEPS picks steps (default: all, in this order).
+#   OUT=/some/dir bash scripts/gpu_memory_check.sh
+#   STEPS="b2.7_64k m13_32k" OUT=/some/dir bash scripts/gpu_memory_check.sh
+# Files under $OUT: <step>.log, <step>.md (the bench table), memory.md (every step's rows, plan vs peak),
+# summary.txt. Exits non-zero if a step fails or is skipped for time.
+set -u
+export OUT=${OUT:-results}
+BUDGET=${BUDGET:-560}
+source "$(dirname "$0")/gpu_steps.sh"
+if [ "$GPUS" -lt 2 ]; then echo "needs 2 GPUs, found $GPUS" | tee -a "$OUT/summary.txt"; exit 1; fi
+export PYTHONWARNINGS=ignore
+
+FSDP="--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params"
+declare -A RUN=(
+  [m760_32k]="--config configs/gpt3-760m.toml --seq-length 32768 --use-distributed-optimizer"
+  [b2.7_32k]="--config configs/gpt3-2.7b.toml --seq-length 32768 --use-distributed-optimizer"
+  [f2.7_32k]="--config configs/gpt3-2.7b.toml --seq-length 32768 $FSDP"
+  [m13_32k]="--config configs/gpt3-13b.toml configs/recompute-full.toml --seq-length 32768 $FSDP"
+  [b2.7_64k]="--config configs/gpt3-2.7b.toml --seq-length 65536 --use-distributed-optimizer"
+  [m760_64k]="--config configs/gpt3-760m.toml --seq-length 65536 --use-distributed-optimizer"
+  [f2.7_64k]="--config configs/gpt3-2.7b.toml --seq-length 65536 $FSDP"
+  [m13_64k]="--config configs/gpt3-13b.toml configs/recompute-full.toml --seq-length 65536 $FSDP"
+)
+ORDER="m760_32k b2.7_32k f2.7_32k m13_32k b2.7_64k m760_64k f2.7_64k m13_64k"
+: > "$OUT/memory.md"
+for s in ${STEPS:-$ORDER}; do
+  [ -n "${RUN[$s]:-}" ] || { echo "$s: unknown step (one of $ORDER)" | tee -a "$OUT/summary.txt"; status=1; continue; }
+  # shellcheck disable=SC2086
+  step "$s" 300 python3 -m megatron_cp_plugin.bench model --nproc 2 --no-cp1 --force --train-iters 3 \
+    --out "$OUT/$s" ${RUN[$s]}
+  { echo "## $s: ${RUN[$s]}"; grep -E "^\| (run|---|ring|burst|attention2d|allgather|ulysses)" "$OUT/$s.md"; echo; } \
+    >> "$OUT/memory.md" 2>/dev/null
+done
+cat "$OUT/memory.md"
+exit $status
