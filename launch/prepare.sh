@@ -11,11 +11,12 @@
 set -euo pipefail
 cd "$REPO"
 if [[ -z ${GPU_MEM:-} ]]; then
-  # the first GPU here, in MiB; where there is none (a dry run on a login node) an 80 GB GPU, and the line says so
-  mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n1 || true)
-  if [[ $mib =~ ^[0-9]+$ ]]; then
-    GPU_MEM=$(awk "BEGIN { printf \"%.1f\", $mib / 1024 }")
-  else
+  # what the smallest GPU here gives CUDA (devices.gpu_capacity_gib: nvidia-smi's total less the driver's reserved
+  # memory, as megatron-cp-pretrain's own check reads it); where there is none (a dry run on a login node) an 80 GB
+  # GPU, and the line says so
+  GPU_MEM=$("$PY" -c "from megatron_cp_plugin.devices import gpu_capacity_gib as c; g = c()
+print('' if g is None else f'{g:.1f}')" 2>/dev/null || true)
+  if [[ -z $GPU_MEM ]]; then
     GPU_MEM=80
     echo "launch: no GPU visible here: planning for 80 GiB GPUs (set GPU_MEM=<GiB> for others)" >&2
   fi
