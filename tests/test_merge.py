@@ -10,12 +10,13 @@ import torch
 from megatron_cp_plugin.kernels import merge as M
 from megatron_cp_plugin.kernels.flash_decode import available
 
+from .test_local_attn import needs_cuda
+
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOL = dict(rtol=1e-5, atol=1e-5)
 pytestmark = pytest.mark.skipif(not available(DEV),
                                 reason="SKIPPED LOUDLY: triton is not installed (pip install triton), so the "
                                        "accumulation kernel cannot run here, not even interpreted")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: run on the device machine")
 
 
 @pytest.fixture(autouse=True)

@@ -13,13 +13,12 @@ import torch
 
 from megatron_cp_plugin.kernels import surrogate as sg
 
-from .test_local_attn import fp16_large_case
+from .test_local_attn import fp16_large_case, needs_cuda
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.skipif(not sg.available(DEV),
                                 reason="SKIPPED LOUDLY: triton is not installed (pip install triton), so the "
                                        "surrogate kernel cannot run here, not even interpreted")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: run on the device machine")
 
 
 @pytest.fixture(autouse=True)
