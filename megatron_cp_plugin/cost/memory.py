@@ -54,6 +54,8 @@ from .memory_terms import layer_bytes, moments
 
 GiB = 2**30
 ZERO_LAYOUTS = ("ddp", "zero1", "fsdp-optim", "fsdp-optim_grads", "fsdp-optim_grads_params")
+HEADROOM_GIB = 4.0
+"""GiB per GPU a plan keeps free beyond its peak: the CUDA context, NCCL's buffers and allocator slack."""
 
 
 @dataclass(frozen=True)
@@ -243,7 +245,8 @@ def layouts(m: Model, gpus: int) -> list[Layout]:
     return out
 
 
-def plan(m: Model, gpus: int, gpu_mem_gib: float, headroom_gib: float = 4.0, fused_adam: bool = False) -> list[dict]:
+def plan(m: Model, gpus: int, gpu_mem_gib: float, headroom_gib: float = HEADROOM_GIB,
+         fused_adam: bool = False) -> list[dict]:
     """One row per layout (GiB), ordered as layouts() lists them."""
     return [estimate(m, lay, gpus, fused_adam).row(gpu_mem_gib, headroom_gib) for lay in layouts(m, gpus)]
 
@@ -253,7 +256,7 @@ PREFERENCE = ("zero1", "fsdp-optim_grads", "fsdp-optim_grads_params")
 last (megatron-cp-pretrain has none)."""
 
 
-def recommend(m: Model, gpus: int, gpu_mem_gib: float, headroom_gib: float = 4.0) -> str | None:
+def recommend(m: Model, gpus: int, gpu_mem_gib: float, headroom_gib: float = HEADROOM_GIB) -> str | None:
     """The first layout in PREFERENCE order (then with recompute, then pipeline stages) that fits, or None."""
     fits = {r["layout"] for r in plan(m, gpus, gpu_mem_gib, headroom_gib) if r["fits"]}
     order = [z for z in PREFERENCE] + [z + " +recompute" for z in PREFERENCE]

@@ -18,9 +18,8 @@ import os
 from .. import devices
 from ..cost import memory
 
-HEADROOM_GIB = 4.0
-"""GiB per GPU kept free beyond the planner's peak: the CUDA context, NCCL's buffers and allocator slack (the
-planner's own default, cost/memory.py)."""
+HEADROOM_GIB = memory.HEADROOM_GIB
+"""GiB per GPU kept free beyond the planner's peak (the planner's own default)."""
 ALLOC_CONF = "expandable_segments:True"
 """The allocator setting the ranks get by default (see the module docstring)."""
 RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
