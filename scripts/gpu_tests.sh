@@ -5,7 +5,7 @@
 # Needs the megatron-core wheel in .whl/ where the GPU image has none (docs/testing.md).
 #   OUT=dir bash scripts/gpu_tests.sh [pytest args]        (TESTS="tests/a.py tests/b.py": those files only)
 #   SHARD=1/2 ... SHARD=2/2: two sets of test files of about equal time, so that the suite fits two calls of under
-#   10 minutes (the whole suite took 575+ s on 2 x H200 on 2026-11-26; 531 + 144 s on one H200 in two file sets)
+#   10 minutes (the whole suite took 665-700 s on 2 x H200 on 2026-11-26: about 250-290 s + 410 s in these two sets)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results}; mkdir -p "$OUT"
