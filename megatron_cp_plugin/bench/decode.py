@@ -3,9 +3,14 @@ memory-bandwidth floor.
 
     torchrun --nproc-per-node 2 -m megatron_cp_plugin.bench.decode --context 32768 131072 524288
     torchrun --nproc-per-node 2 -m megatron_cp_plugin.bench.decode --model --context 131072 524288 --batch 1 8
+    torchrun --nproc-per-node 2 -m megatron_cp_plugin.bench.decode --model --profile --context 131072 --batch 1 \
+        --decoders tree --eager-context
 
 --model times whole generation steps of a GPTModel (Llama-3.1-8B shape by default, random bf16 weights) with
-the static decode step (inference/static.py), graphed and eager, tree and ring; see `model_bench`.
+the static decode step (inference/static.py), graphed and eager, tree and ring; see `model_bench`. With
+--profile the same configurations run under torch.profiler instead, each kernel of a step put in one part
+(weight GEMMs, attention, RoPE and cache append, norms, exchange, merge, sampling, copies, other, idle) next to
+the bytes it must read (bench/decode_profile.py).
 Without it, the attention alone:
 
 Llama-3.1-8B attention shape by default (32 heads, 8 KV heads, d = 128, 32 layers), b = 1, one new token,
@@ -88,16 +93,23 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--eager-context", type=int, nargs="*", default=[131072], help="contexts also timed eagerly")
     g.add_argument("--check-context", type=int, default=16384, help="prompt of the graph-vs-eager token check")
     g.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    g.add_argument("--profile", action="store_true", help="per-kernel time of each configuration's step "
+                   "instead of its latency (implies --model; bench/decode_profile.py)")
+    g.add_argument("--profile-steps", type=int, default=5, help="steps measured under the profiler")
     return p
 
 
 def main(argv=None):
     a = parser().parse_args(argv)
+    a.model = a.model or a.profile                              # --profile profiles the --model step
     rank, world, dev = init_distributed()
     if dev.type != "cuda" and not a.model:
         raise SystemExit("bench.decode needs GPUs (run it under torchrun on a GPU machine)")
     bw = memory_bandwidth(dev, None if a.mem_bw is None else a.mem_bw * 1e12)
-    if a.model:
+    if a.model and a.profile:
+        from megatron_cp_plugin.bench.decode_profile import profile_bench
+        profile_bench(a, rank, world, dev, bw)
+    elif a.model:
         from megatron_cp_plugin.bench.decode_model import model_bench
         model_bench(a, rank, world, dev, bw)
     else:
