@@ -27,6 +27,7 @@ SUBCOMMANDS = {
     "flash-decode": ("megatron_cp_plugin.bench.flash_decode", "the split-KV decode kernel vs prefill kernels"),
     "local-attn": ("megatron_cp_plugin.bench.local_attn", "local attention kernels (cuDNN, FA2, math)"),
     "merge": ("megatron_cp_plugin.bench.merge", "the fused (o, lse) merge and fp32 accumulation vs PyTorch's ops"),
+    "norm": ("megatron_cp_plugin.bench.norm", "the decode step's fused RMSNorm / LayerNorm vs torch's modules"),
     "surrogate": ("megatron_cp_plugin.bench.surrogate", "the fused surrogate-O kernel vs its PyTorch reference"),
     "rank": ("megatron_cp_plugin.bench.rank_replay", "one rank's local work per algorithm on one device, vs ideal"),
     "cost-model": ("megatron_cp_plugin.bench.cost_report", "the cost model's tables (--table), one problem (--seq)"),

@@ -12,6 +12,7 @@ import contextlib
 
 import torch
 
+from ..kernels.norm import fused_norm
 from ..megatron.rope import RopeWrapper, gpt_of, rope_rows
 from ..sharding import sequence_positions
 
@@ -21,26 +22,61 @@ def core_owners(model) -> list:
     return [m for m in model.modules() if isinstance(getattr(m, "core_attention", None), torch.nn.Module)]
 
 
+class FusedNorm(torch.nn.Module):
+    """Stands in for a torch.nn.RMSNorm or LayerNorm over the last dimension: the same weights and eps in one
+    kernel (kernels/norm.py) instead of torch's eight."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.rms = inner, isinstance(inner, torch.nn.RMSNorm)
+
+    def forward(self, x):
+        eps = self.inner.eps
+        if eps is None:           # nn.RMSNorm's default: the eps of the dtype it computes in (fp32 for bf16, fp16)
+            eps = torch.finfo(torch.float64 if x.dtype == torch.float64 else torch.float32).eps
+        return fused_norm(x, self.inner.weight, None if self.rms else self.inner.bias, eps, rms=self.rms)
+
+
+def norm_slots(model) -> list[tuple[torch.nn.Module, str]]:
+    """(parent, attribute) of every torch.nn.RMSNorm and LayerNorm of `model` over one last dimension (the
+    norms of megatron-core's local layer spec; TE's fused norm-linear layers are not these and stay)."""
+    slots = []
+    for parent in model.modules():
+        if isinstance(parent, FusedNorm):                       # a norm already stood in for
+            continue
+        for name, child in parent.named_children():
+            if type(child) in (torch.nn.RMSNorm, torch.nn.LayerNorm) and len(child.normalized_shape) == 1:
+                slots.append((parent, name))
+    return slots
+
+
 @contextlib.contextmanager
-def swapped(model, *, core=None, rope=None, owners=None):
-    """Inside the block, owner i's core_attention is core(its own, i) (owners: core_owners(model) unless given)
-    and the model's rotary_pos_emb is rope(its own) (when it has one); the model's own are restored after."""
+def swapped(model, *, core=None, rope=None, owners=None, norms: bool = False):
+    """Inside the block, owner i's core_attention is core(its own, i) (owners: core_owners(model) unless given),
+    the model's rotary_pos_emb is rope(its own) (when it has one) and, with norms, every RMSNorm and LayerNorm a
+    FusedNorm of itself; the model's own are restored after."""
     owners = core_owners(model) if owners is None else owners
     gpt = gpt_of(model)
     saved = [m.core_attention for m in owners]
     own_rope = getattr(gpt, "rotary_pos_emb", None)
+    slots = norm_slots(model) if norms else []
+    own_norms = [getattr(p, n) for p, n in slots]
     try:
         if core is not None:
             for i, m in enumerate(owners):
                 m.core_attention = core(saved[i], i)
         if rope is not None and own_rope is not None:
             gpt.rotary_pos_emb = rope(own_rope)
+        for (p, n), inner in zip(slots, own_norms):
+            setattr(p, n, FusedNorm(inner))
         yield
     finally:
         for m, c in zip(owners, saved):
             m.core_attention = c
         if own_rope is not None:
             gpt.rotary_pos_emb = own_rope
+        for (p, n), inner in zip(slots, own_norms):
+            setattr(p, n, inner)
 
 
 class KeepPrefill(torch.nn.Module):

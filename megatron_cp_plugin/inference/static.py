@@ -17,6 +17,7 @@ Why each piece is static: a replay re-runs the captured kernels on the captured 
   * RoPE's cos, sin come from the position tensor, once per step; each layer rotates its q, k and appends
     its K, V in one kernel (kernels/rope_append.py) instead of Megatron's ~26 small ones (a graphed step is
     bound by its weight and KV reads plus a gap per kernel);
+  * each RMSNorm or LayerNorm is one kernel (kernels/norm.py) instead of torch's eight;
   * sampling is `sampling.sample` (no host read-back).
 Prefill is the model's own forward with a training algorithm (`CPCoreAttention` hands each layer's K, V shard
 to `store_prefill`), as in `generate`. The tree merge variant, unless given, is the decode cost model's choice
@@ -214,9 +215,10 @@ class StaticDecoder:
 
     # ------------------------------------------------------------------------------------------ the step
     def _swapped(self):
-        """The step's forward reaches the model through the static core attention and RoPE (inference/hooks.py)."""
+        """The step's forward reaches the model through the static core attention and RoPE, and its norms
+        through one fused kernel each on a GPU (inference/hooks.py)."""
         return swapped(self.model, owners=self.owners, core=lambda c, i: _StaticCore(c, i, self),
-                       rope=lambda r: _StaticRope(r, self))
+                       rope=lambda r: _StaticRope(r, self), norms=self.device.type == "cuda")
 
     def _body(self):
         """One decode step on device tensors only (what the graph captures)."""
