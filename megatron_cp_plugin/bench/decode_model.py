@@ -156,6 +156,16 @@ def _release() -> None:
         torch.cuda.empty_cache()
 
 
+def finish(rows: list[dict], out: str, header: str, rank: int, model, ps) -> list[dict]:
+    """Rank 0 prints and writes the final report; the model and the model-parallel state go."""
+    if rank == 0:
+        print(write_report(rows, out, header), flush=True)
+    del model
+    gc.collect()
+    ps.destroy_model_parallel()
+    return rows
+
+
 def model_bench(a, rank: int, world: int, dev, bw: float | None) -> list[dict]:
     """The token check and the latency rows (module docstring); rank 0 prints each row as it comes, keeps the
     report (a.out .json / .md) up to date after each, and prints the table at the end. Returns the rows."""
@@ -245,9 +255,4 @@ def model_bench(a, rank: int, world: int, dev, bw: float | None) -> list[dict]:
         if {"tree", "ring"} <= set(t):
             emit({"what": "ring / tree (graph, b=1)", "context": n, "ratio": t["ring"] / t["tree"]},
                  f"{n}: ring / tree per token = {t['ring'] / t['tree']:.2f}x")
-    if rank == 0:
-        print(write_report(rows, a.out, header), flush=True)
-    del model
-    gc.collect()
-    ps.destroy_model_parallel()
-    return rows
+    return finish(rows, a.out, header, rank, model, ps)

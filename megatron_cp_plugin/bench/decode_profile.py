@@ -236,10 +236,8 @@ def profile_steps(dec, steps: int, warmup: int, trace: str) -> tuple[list[dict],
 def profile_bench(a, rank: int, world: int, dev, bw: float | None) -> list[dict]:
     """The profile rows of every latency configuration (module docstring); rank 0 prints a line per
     configuration, keeps the report (a.out .json / .md) current and prints the table at the end."""
-    import gc
-
     from megatron_cp_plugin.bench.decode_model import (TIMED_WARMUP, VOCAB, _build, _release, config_bytes,
-                                                       latency_capacity, latency_configs)
+                                                       finish, latency_capacity, latency_configs)
     from megatron_cp_plugin.inference.static import StaticDecoder
 
     if a.profile_steps < 1:
@@ -289,12 +287,7 @@ def profile_bench(a, rank: int, world: int, dev, bw: float | None) -> list[dict]
         if rank == 0:
             print(f"{n:>8} b={b} {decoder:4s} {mode:5s} {mine[0].get('error') or _line(mine)}", flush=True)
             write_report(rows, a.out, header)
-    if rank == 0:
-        print(write_report(rows, a.out, header), flush=True)
-    del model
-    gc.collect()
-    ps.destroy_model_parallel()
-    return rows
+    return finish(rows, a.out, header, rank, model, ps)
 
 
 def _line(rows: list[dict]) -> str:
