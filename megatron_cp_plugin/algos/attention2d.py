@@ -11,8 +11,8 @@ Attention2D-NO forward (Alg. 1):
   line 6  partials go back to their cyclic owners in the row in one all-to-all: each is the normalized
           partial output with its lse, both fp32 (as decode-CP engines merge), not the paper's rescaled
           numerators and denominators, which need a row max first (an extra all-reduce);
-  line 7  AttnFix (Alg. 2) at the owner, in fp32: m = max lse, w = exp(lse - m), o = sum w o / sum w,
-          lse = m + log(sum w).
+  line 7  AttnFix (Alg. 2) at the owner, in fp32: lse = log sum exp(lse_c) (the paper's max m and sum of
+          exp(lse_c - m), in torch.logsumexp), o = sum exp(lse_c - lse) o_c.
 Attention2D-NO backward (Alg. 3): D = rowsum(dO o O) is formed by the owner and gathered in its place (O is
 never gathered), Q, dO, D, lse in rows and K, V in columns; the local block backward from the global (o, lse);
 dQ partials summed at their owners in the row, dK, dV in the column (lines 7-8: all-to-alls of partials summed
@@ -68,12 +68,15 @@ def attn_fix_all_to_all(grid: CPGrid, o_part, lse_part, stats=None):
     if grid.cols == 1:
         return o_part[0], lse_part[0]
     o_all, lse_all = all_to_all(grid.row, [o_part, lse_part], stats)
-    m = finite_lse(lse_all.amax(0))                                    # AttnFix (Alg. 2), at the owner
-    w = torch.exp(lse_all - m)                                      # [C, b, h, s]
-    den = w.sum(0)
-    o = (o_all * w.transpose(2, 3).unsqueeze(-1)).sum(0)
-    o = o.div_(torch.where(den > 0, den, 1.0).transpose(1, 2).unsqueeze(-1))
-    return o, m + torch.log(den)                                    # den == 0 -> -inf (no key seen)
+    # AttnFix (Alg. 2), at the owner: lse = log sum exp(lse_c) (-inf where no partial saw a key), then o = sum of
+    # o_c weighted by exp(lse_c - lse), weights normalised on the lse rows (no pass over o divides) and summed
+    # into o one partial at a time (no [C, ...] temporary).
+    lse = torch.logsumexp(lse_all, 0)
+    w = torch.exp(lse_all - finite_lse(lse)).transpose(2, 3).unsqueeze(-1)     # [C, b, s, h, 1]; 0: no key
+    o = o_all[0] * w[0]
+    for c in range(1, grid.cols):
+        o.addcmul_(o_all[c], w[c])
+    return o, lse
 
 
 def _forward(grid: CPGrid, q, k, v, *, causal, scale, backend, stats=None, packing=None):
