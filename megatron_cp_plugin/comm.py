@@ -6,6 +6,7 @@ global process-group state.
 from __future__ import annotations
 
 import datetime
+import math
 
 from dataclasses import dataclass
 
@@ -147,6 +148,26 @@ def choose_grid(world: int, *, h: int = 1, h_kv: int = 1) -> tuple[int, int]:
     return min(cands, key=lambda rc: (cost(rc), rc[0]))
 
 
+MAX_GROUP_TOKENS = 16384
+"""Most query tokens (b x rows) one grouped Attention2D-NO kernel call takes (`group_chunks`), where groups of
+chunks make calls larger than one chunk pair's: the call's output, gradients and workspace grow with its rows (the
+memory planner counts n times a pair call's), and at 16k rows the kernels should run at their full rate already
+(untuned: the GPU measurement of issue 34 is to come). At 32768 the planner moved the shipped GPT-3 13B at 128k
+on 16 80-GB GPUs (launch/gpt3-13b.sbatch, 4 x 4, 8k tokens a rank) from fsdp-optim_grads_params to recompute;
+at 16384 every shipped script keeps its layout. Groups are made smaller (more calls) to stay within it, down to
+one chunk pair per call, whatever its size."""
+
+
+def group_chunks(rows: int, cols: int, tokens: int) -> int:
+    """Attention2D-NO's chunks per kernel call (algos/attention2d.py, `chunk_groups`) on an R x C grid, column-major
+    placement, for shards of `tokens` (b x s): the largest divisor n of gcd(R, C) (T = P / n, a multiple of
+    lcm(R, C), splits both the row's Q chunks, residues i + cR, and the column's K, V chunks, residues j + rC) with
+    n x tokens <= MAX_GROUP_TOKENS, else 1. A square grid is then one call per rank (n = R = C: the paper's one
+    FlashAttn of line 5) while R s tokens fit, an R x C grid with R = kC (or C = kR) k calls of n = min(R, C)."""
+    g = math.gcd(rows, cols)
+    return max([n for n in range(1, g + 1) if g % n == 0 and n * tokens <= MAX_GROUP_TOKENS], default=1)
+
+
 class CPGrid:
     """P = rows x cols ranks of a context-parallel group seen as a grid (Attention2D).
 
@@ -239,12 +260,12 @@ def all_to_all(group, parts, stats=None, phase="forward", recv=None) -> list:
 
     Equal chunks: each part a tensor [g, ...] (any strides: a strided part is copied into the send buffer once,
     a lone contiguous part is sent as it is), returned as one, a view of the receive buffer (strided where several
-    parts share it; a copy only where a part's bytes are not aligned for its dtype). Unequal chunks (ulysses' K, V heads where members
-    read different numbers of them): a part may instead be a list of g tensors of one dtype (chunk c for member c),
-    and `recv[i]` the g shapes of the chunks part i receives (None: the shape it sends, for a tensor part); such
-    a part comes back as a list. Unequal chunks travel as they are, with all_to_all_single's split sizes: padding
-    them to the largest would send bytes for nothing, while split sizes cost nothing (torch runs the equal-split
-    all-to-all on NCCL as the same one send and one receive per peer)."""
+    parts share it; a copy only where a part's bytes are not aligned for its dtype). Unequal chunks (ulysses' K, V
+    heads where members read different numbers of them): a part may instead be a list of g tensors of one dtype
+    (chunk c for member c), and `recv[i]` the g shapes of the chunks part i receives (None: the shape it sends, for
+    a tensor part); such a part comes back as a list. Unequal chunks travel as they are, with all_to_all_single's
+    split sizes: padding them to the largest would send bytes for nothing, while split sizes cost nothing (torch
+    runs the equal-split all-to-all on NCCL as the same one send and one receive per peer)."""
     if recv is None and all(isinstance(t, torch.Tensor) for t in parts):
         if group is None:
             return [t.contiguous() for t in parts]
@@ -314,7 +335,8 @@ def reduce_at_owner(group, x: torch.Tensor, me: int, wire: torch.dtype, stats=No
     strided view (all_to_all packs it)."""
     if group is None:
         return x[0]
-    (got,) = all_to_all(group, [x.to(wire)], stats, phase)
+    # A strided x is cast (or copied) straight into a contiguous send buffer: one pass.
+    (got,) = all_to_all(group, [x.to(wire, memory_format=torch.contiguous_format)], stats, phase)
     if wire == x.dtype:                          # the own chunk came back as sent: x[me], unrounded
         return got.sum(0)
     # The others' partials summed in x's dtype as they are read (no upcast copy), then the own one, unrounded.
