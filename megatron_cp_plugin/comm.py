@@ -6,6 +6,7 @@ global process-group state.
 from __future__ import annotations
 
 import datetime
+import math
 
 from dataclasses import dataclass
 
@@ -147,6 +148,26 @@ def choose_grid(world: int, *, h: int = 1, h_kv: int = 1) -> tuple[int, int]:
     return min(cands, key=lambda rc: (cost(rc), rc[0]))
 
 
+MAX_GROUP_TOKENS = 16384
+"""Most query tokens (b x rows) one grouped Attention2D-NO kernel call takes (`group_chunks`), where groups of
+chunks make calls larger than one chunk pair's: the call's output, gradients and workspace grow with its rows (the
+memory planner counts n times a pair call's), and at 16k rows the kernels should run at their full rate already
+(untuned: the GPU measurement of issue 34 is to come). At 32768 the planner moved the shipped GPT-3 13B at 128k
+on 16 80-GB GPUs (launch/gpt3-13b.sbatch, 4 x 4, 8k tokens a rank) from fsdp-optim_grads_params to recompute;
+at 16384 every shipped script keeps its layout. Groups are made smaller (more calls) to stay within it, down to
+one chunk pair per call, whatever its size."""
+
+
+def group_chunks(rows: int, cols: int, tokens: int) -> int:
+    """Attention2D-NO's chunks per kernel call (algos/attention2d.py, `chunk_groups`) on an R x C grid, column-major
+    placement, for shards of `tokens` (b x s): the largest divisor n of gcd(R, C) (T = P / n, a multiple of
+    lcm(R, C), splits both the row's Q chunks, residues i + cR, and the column's K, V chunks, residues j + rC) with
+    n x tokens <= MAX_GROUP_TOKENS, else 1. A square grid is then one call per rank (n = R = C: the paper's one
+    FlashAttn of line 5) while R s tokens fit, an R x C grid with R = kC (or C = kR) k calls of n = min(R, C)."""
+    g = math.gcd(rows, cols)
+    return max([n for n in range(1, g + 1) if g % n == 0 and n * tokens <= MAX_GROUP_TOKENS], default=1)
+
+
 class CPGrid:
     """P = rows x cols ranks of a context-parallel group seen as a grid (Attention2D).
 
@@ -237,25 +258,41 @@ def all_to_all(group, parts, stats=None, phase="forward", recv=None) -> list:
     """One all-to-all of several tensors of any dtypes (fp32 lse beside bf16 outputs): chunk c of each part goes to
     member c; returns each part with chunk c from member c (`parts` itself when group is None).
 
-    Equal chunks: each part a tensor [g, ...], returned as one. Unequal chunks (ulysses' K, V heads where members
-    read different numbers of them): a part may instead be a list of g tensors of one dtype (chunk c for member c),
-    and `recv[i]` the g shapes of the chunks part i receives (None: the shape it sends, for a tensor part); such
-    a part comes back as a list. Unequal chunks travel as they are, with all_to_all_single's split sizes: padding
-    them to the largest would send bytes for nothing, while split sizes cost nothing (torch runs the equal-split
-    all-to-all on NCCL as the same one send and one receive per peer)."""
+    Equal chunks: each part a tensor [g, ...] (any strides: a strided part is copied into the send buffer once,
+    a lone contiguous part is sent as it is), returned as one, a view of the receive buffer (strided where several
+    parts share it; a copy only where a part's bytes are not aligned for its dtype). Unequal chunks (ulysses' K, V
+    heads where members read different numbers of them): a part may instead be a list of g tensors of one dtype
+    (chunk c for member c), and `recv[i]` the g shapes of the chunks part i receives (None: the shape it sends, for
+    a tensor part); such a part comes back as a list. Unequal chunks travel as they are, with all_to_all_single's
+    split sizes: padding them to the largest would send bytes for nothing, while split sizes cost nothing (torch
+    runs the equal-split all-to-all on NCCL as the same one send and one receive per peer)."""
     if recv is None and all(isinstance(t, torch.Tensor) for t in parts):
-        parts = [t.contiguous() for t in parts]
         if group is None:
-            return parts
+            return [t.contiguous() for t in parts]
         g = dist.get_world_size(group)
-        flat = torch.cat([t.view(g, -1).view(torch.uint8) for t in parts], dim=1)    # bytes side by side
+        sizes = [t[0].numel() * t.element_size() for t in parts]
+        if len(parts) == 1 and parts[0].is_contiguous():
+            flat = parts[0].view(g, -1).view(torch.uint8)                        # no copy: the bytes as they are
+        elif all(t.is_contiguous() for t in parts):
+            flat = torch.cat([t.view(g, -1).view(torch.uint8) for t in parts], dim=1)   # bytes side by side
+        else:                                       # strided parts (a permuted view): each copied in once, in place
+            flat = torch.empty((g, sum(sizes)), dtype=torch.uint8, device=parts[0].device)
+            at = 0
+            for t, n in zip(parts, sizes):
+                dst = _typed(flat, at, n, t)
+                if dst is None:
+                    flat[:, at:at + n] = t.contiguous().view(g, -1).view(torch.uint8)
+                else:
+                    dst.copy_(t)
+                at += n
         out = torch.empty_like(flat)
         run_collective(dist.all_to_all_single, out, flat, group=group)
         _count(stats, phase, (g - 1) * flat[0].numel())
         res, at = [], 0
-        for t in parts:
-            n = t[0].numel() * t.element_size()
-            res.append(out[:, at:at + n].contiguous().view(t.dtype).view(t.shape))
+        for t, n in zip(parts, sizes):
+            # Each part a view of the receive buffer where its bytes are aligned for its dtype (no copy).
+            x = _typed(out, at, n, t)
+            res.append(x if x is not None else out[:, at:at + n].contiguous().view(t.dtype).view(t.shape))
             at += n
         return res
     recv = recv or [None] * len(parts)
@@ -282,16 +319,29 @@ def all_to_all(group, parts, stats=None, phase="forward", recv=None) -> list:
     return [torch.stack(x) if r is None else x for x, r in zip(got, recv)]
 
 
+def _typed(buf: torch.Tensor, at: int, n: int, t: torch.Tensor):
+    """Columns at .. at + n of the byte buffer buf [g, row] as a tensor of t's dtype and shape (a strided view), or
+    None where the bytes are not aligned for the dtype."""
+    e = t.element_size()
+    if at % e or buf.shape[1] % e or buf.storage_offset() % e:
+        return None
+    return buf[:, at:at + n].view(t.dtype).view(t.shape)
+
+
 def reduce_at_owner(group, x: torch.Tensor, me: int, wire: torch.dtype, stats=None, phase="backward"):
     """Sum over members of x [g, ...] (x's dtype: the accumulator's), chunk `me` (this rank's index in the
     group) kept: each member's partial travels once, in `wire`, and is summed here in x's dtype; the own
-    partial is never rounded. What a reduce-scatter computes, in half the bytes for bf16 partials."""
+    partial is never rounded. What a reduce-scatter computes, in half the bytes for bf16 partials. x may be a
+    strided view (all_to_all packs it)."""
     if group is None:
         return x[0]
-    (got,) = all_to_all(group, [x.to(wire)], stats, phase)
-    got = got.to(x.dtype)
-    got[me] = x[me]
-    return got.sum(0)
+    # A strided x is cast (or copied) straight into a contiguous send buffer: one pass.
+    (got,) = all_to_all(group, [x.to(wire, memory_format=torch.contiguous_format)], stats, phase)
+    if wire == x.dtype:                          # the own chunk came back as sent: x[me], unrounded
+        return got.sum(0)
+    # The others' partials summed in x's dtype as they are read (no upcast copy), then the own one, unrounded.
+    got[me].zero_()
+    return torch.sum(got, 0, dtype=x.dtype).add_(x[me])
 
 
 def permute(group, x: torch.Tensor, send_to: int, recv_from: int, stats=None, phase="forward") -> torch.Tensor:

@@ -105,6 +105,25 @@ def test_many_programs_and_partial_tiles(acc_launches, monkeypatch):
     assert len(acc_launches) == 2 and all(grid[0] > 1 for grid in acc_launches)
 
 
+def test_row_sum_sets_each_row_once():
+    """A new accumulator from row blocks (burst's dK, dV, dQ at a ring step): rows set by their first block, later
+    blocks added, rows no block covers zero; bit for bit torch's zeros + add_; a lone full fp32 block is adopted."""
+    g = torch.Generator().manual_seed(3)
+    half, shape = slice(0, 3), (2, 6, 4, 8)
+    a, b, c = (torch.randn(2, 3, 4, 8, generator=g).to(DEV, torch.bfloat16) for _ in range(3))
+    for blocks in ([(slice(3, None), a)], [(half, a), (slice(3, None), b), (slice(3, None), c)], [(half, a)]):
+        want = torch.zeros(shape, device=DEV)
+        for rows, x in blocks:
+            want[:, rows].add_(x)
+        assert torch.equal(M.row_sum(blocks, shape, torch.float32), want)
+    full = torch.randn(shape, generator=g).to(DEV)
+    assert M.row_sum([(slice(None), full)], shape, torch.float32) is full
+    assert torch.equal(M.row_sum([(slice(None), full.to(torch.bfloat16))], shape, torch.float32),
+                       full.to(torch.bfloat16).float())
+    with pytest.raises(ValueError, match="equal or disjoint"):
+        M.row_sum([(slice(None), full), (half, a)], shape, torch.float32)
+
+
 @needs_cuda
 @pytest.mark.parametrize("copy", [False, True])
 def test_gpu_compiled_kernel_at_ring_sizes(copy):

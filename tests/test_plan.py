@@ -72,7 +72,7 @@ def test_gpt3_175b_on_64_and_128_gpus_of_80_gb(capsys, tmp_path):
     # Megatron-FSDP holds 3 unsharded fp32 layer gradient buckets (the running layer's and 2 queued, 6.75 GiB
     # each) and the root's (4.6 GiB) beside 2 gathered layers and the root's bf16 weights.
     z3 = rows["fsdp-optim_grads_params +recompute"]
-    assert not z3["fits"] and z3["peak"] == "backward" and z3["total"] == pytest.approx(83.7, abs=0.05)
+    assert not z3["fits"] and z3["peak"] == "backward" and z3["total"] == pytest.approx(84.2, abs=0.05)
     assert "fits: none of these layouts" in out
     for r in rows.values():
         assert r["total"] == pytest.approx(sum(r[k] for k in ("weights", "grads", "optimizer", "activations",
@@ -129,9 +129,10 @@ def _algo(m, algo, grid=None):
     ("allgather", (1, 1), 2 * 128 + 2 * 4 * 128 + 2 * 512 + 256, 2 * 4 * 128 + 2 * 4 * 256 + 512 + 4096),
     # one K, V head per member (k_U = 1): Kh = 8*4*1*4*2 = 256, heads = Q + 2Kh = 768
     ("ulysses", (1, 4), 768 + 4 * 768 - 256, 6 * 768 + 2 * 256),                                   # 3584, 5120
-    # R = C = 2: gq = 2Q = 512, gkv = 2RK = 512; forward 2K + gq + gkv + C(Qa + L) + 3C(Qa + L)
-    ("attention2d-no", (2, 2), 256 + 512 + 512 + 2 * 640 + 3 * 2 * 640,
-     128 + 2 * 512 + 2 * 2 * 128 + 512 + 2 * 512 + 2 * 2 * 256 + 256 + 2048 + 512),              # 6400, 7040
+    # R = C = 2: n = 2 chunks per kernel call (t = 8), gq = 2Q = 512, gkv = 2RK = 512; forward 2K + gq + gkv +
+    # C(Qa + L) + max(n(2Q + Qa) = 2048, AttnFix 2C(Qa + L) = 2560); backward's largest: the call, n(Q + blk + G)
+    ("attention2d-no", (2, 2), 256 + 512 + 512 + 2 * 640 + 2 * 2 * 640,
+     128 + 2 * 512 + 2 * 2 * 128 + 512 + 2 * 512 + 2 * 2 * 256 + 2 * (256 + 2048 + 512)),        # 5120, 9856
     # qn = 1, no = nq = 3, travel 4K (R = 2)
     ("attention2d-o", (2, 2), 2 * 2 * 128 + 256 + 3 * 640 + 256 + 512,
      (512 + 256) + 128 + 2 * 128 + 2 * 2 * 256 + 3 * 512 + 512 + 256 + 2048 + 512),             # 3456, 7040
@@ -217,7 +218,7 @@ def test_13b_with_fsdp_and_recompute_on_2_gpus_peaks_in_the_optimizer_step():
     assert est.peak == "step" and est.step == 4 * m.params / 2
     assert est.total == pytest.approx(static + 4 * m.params / 2) and est.total / 2**30 > 134.2
     fused = plan.estimate(m, plan.Layout("fsdp-optim_grads_params", recompute=True), 2, fused_adam=True)
-    assert fused.step == 0 and fused.peak == "backward" and fused.total / 2**30 == pytest.approx(131.9, abs=0.05)
+    assert fused.step == 0 and fused.peak == "backward" and fused.total / 2**30 == pytest.approx(131.6, abs=0.05)
     # ZeRO-1's optimizer steps plain tensors (the rank's fp32 main shard), DDP's every fp32 main weight
     z1 = plan.estimate(m, plan.Layout("zero1", recompute=True), 2)
     ddp = plan.estimate(m, plan.Layout("ddp", recompute=True), 2)
@@ -289,7 +290,7 @@ def test_shipped_gpt3_sbatch_scripts_fit_their_gpus_with_either_trainer(size):
 def test_a_named_layout_that_does_not_fit_is_refused_naming_one_that_does():
     a = parse_args(["--config", str(REPO / "configs/gpt3-13b.toml"), "--seq-length", "65536"])
     lay, line, err = launch_plan.choose(a, "plugin", "zero1", 16, 80, 4.0, False)
-    assert line == "plan: 110.2 GiB per GPU of 80 GiB (zero1)"         # attention2d-no's saved set
+    assert line == "plan: 110.9 GiB per GPU of 80 GiB (zero1)"         # attention2d-no's saved set
     assert err.startswith("launch: LAYOUT=zero1") and "fsdp-optim_grads fits (LAYOUT=auto picks it)" in err
     assert launch_plan.choose(a, "plugin", "zero1", 16, 80, 4.0, True)[2] is None          # PLAN_FORCE=1
     # what the configs say (zero1) does not fit either; auto does

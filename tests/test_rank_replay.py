@@ -71,8 +71,10 @@ def test_rank_subcommand_reports_every_algorithm(tmp_path, capsys, monkeypatch):
             assert {(algo, "2x2", hk), (algo, "4x1", hk)} <= seen
     for r in rows:
         assert r["fwd_ms"] > 0 and r["bwd_ms"] > 0 and r["x_ideal"] > 0 and 0 <= r["rank"] < 4
-        # the launches of the local work: every (Q, K) block pair of the rank is one attention call, fwd and bwd
-        assert r["ops"] > r["attn_calls"] == 8
+        # the launches of the local work: every (Q, K) block pair of the rank is one attention call, fwd and bwd;
+        # attention2d-no on the square grid gathers Q, K, V chunks that interleave into one triangle (its one call)
+        calls = 2 if (r["algo"], r["grid"]) == ("attention2d-no", "2x2") else 8
+        assert r["ops"] > r["attn_calls"] == calls, (r["algo"], r["grid"])
         assert r["copies"] > 0 and r["copy_MB"] > 0
     assert "rank" in res["command"] and (tmp_path / "rank.md").read_text().count("\n| ") == len(rows) + 1
 
@@ -88,7 +90,8 @@ def test_replay_need_arithmetic():
     """What a replayed rank needs (its buffers in a P-rank run, the prepared receives): 1M tokens, 32 heads of 128,
     bf16. The ring at P = 4 needs 77 GiB with its shards (an 80 GiB card holds it only just: --max-local keeps it
     out by default), at P = 16 a quarter of that; Attention2D-NO on a 64 x 1 grid, which gathers every K, V chunk of
-    its column, 150 GiB, on the 8 x 8 grid 31."""
+    its column, 131 GiB (its dK, dV reduction sends them without a packing copy and sums them without an fp32 copy:
+    150 before), on the 8 x 8 grid 28 (31 before)."""
     from megatron_cp_plugin.bench.rank_replay import replay_need, shard_bytes, single_need
 
     GiB = 2**30
@@ -97,7 +100,7 @@ def test_replay_need_arithmetic():
         return (shard_bytes(2**20, P, 32, 32, 128, 2) + replay_need(algo, 2**20, P, 32, 32, 128, 2, grid)) / GiB
 
     assert 75 < total("ring", 4) < 80 and total("ring", 16) == pytest.approx(total("ring", 4) / 4)
-    assert total("attention2d-no", 64, (64, 1)) > 141 > 80 > total("attention2d-no", 64, (8, 8)) > 20
+    assert total("attention2d-no", 64, (64, 1)) > 130 > 80 > total("attention2d-no", 64, (8, 8)) > 20
     assert total("attention2d-o", 64, (64, 1)) < total("attention2d-no", 64, (64, 1))   # rings: no gathered column
     # the one-device ideal at 256k (the default --ideal-max-seq) fits 80 GiB, at 1M not
     assert single_need(2**18, 32, 32, 128, 2) < 80 * GiB < single_need(2**20, 32, 32, 128, 2)

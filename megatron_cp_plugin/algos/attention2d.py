@@ -11,8 +11,8 @@ Attention2D-NO forward (Alg. 1):
   line 6  partials go back to their cyclic owners in the row in one all-to-all: each is the normalized
           partial output with its lse, both fp32 (as decode-CP engines merge), not the paper's rescaled
           numerators and denominators, which need a row max first (an extra all-reduce);
-  line 7  AttnFix (Alg. 2) at the owner, in fp32: m = max lse, w = exp(lse - m), o = sum w o / sum w,
-          lse = m + log(sum w).
+  line 7  AttnFix (Alg. 2) at the owner, in fp32: lse = log sum exp(lse_c) (the paper's max m and sum of
+          exp(lse_c - m), in torch.logsumexp), o = sum exp(lse_c - lse) o_c.
 Attention2D-NO backward (Alg. 3): D = rowsum(dO o O) is formed by the owner and gathered in its place (O is
 never gathered), Q, dO, D, lse in rows and K, V in columns; the local block backward from the global (o, lse);
 dQ partials summed at their owners in the row, dK, dV in the column (lines 7-8: all-to-alls of partials summed
@@ -24,19 +24,31 @@ Causal masks without an S x S mask: a gathered Q chunk holds tokens a + mP (a = 
 K, V chunk tokens c + nP; key c + nP is visible to query a + mP iff n < m, or n == m and c <= a. So every
 (Q chunk, K chunk) pair is one triangle of the flash kernel: with its diagonal ("causal") when c <= a,
 without it ("causal_strict": causal on Q[1:], K[:-1]) when c > a. This holds for square and rectangular
-grids and for the node-aware rank placement alike; each rank computes its R x C pairs. Packed sequences
-(each document cyclic on its own) keep this per document: every chunk holds 1/P of each document, so each pair
-is one varlen call over the documents, cu_seqlens / P, with the pair's mask inside each document.
+grids and for the node-aware rank placement alike. Fewer, larger calls (line 5 as the paper runs it, one
+FlashAttn with a lower-triangular mask): on the column-major placement the row's Q chunks have residues
+i + cR and the column's K, V chunks j + rC, so for T a multiple of lcm(R, C) they fall into groups of n = P / T
+chunks with residues a, a + T, ..; interleaved, a group's rows are the tokens a + Tu in order, and a (Q group,
+K, V group) pair is again one triangle, by the rule above with T for P (`ChunkGroups`). A square grid is one
+call per rank (n = R = C), an R x C grid with R = kC (or C = kR) k calls of n = min(R, C) chunks, each of at
+most comm.MAX_GROUP_TOKENS query rows (smaller groups, more calls, beyond it); on the node-aware placement every
+pair stays a call of its own. Interleaving costs one copy of the gathered Q, dO and K, V (none where n = 1);
+merges and accumulator adds fall from one per chunk pair to one per group pair. Packed sequences (each document
+cyclic on its own) keep this per document: every chunk holds 1/P of each document, so each pair is one varlen
+call over the documents, cu_seqlens * n / P, with the pair's mask inside each document.
 
 Attention2D-O (Alg. 4-11) overlaps the same communication with the computation: see `attention2d_o.py`.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from ..comm import CommStats, CPGrid, all_gather, all_to_all, kv_moves, permute, reduce_at_owner
+from ..comm import (CommStats, CPGrid, all_gather, all_to_all, group_chunks, kv_moves, permute,
+                   reduce_at_owner)
 from ..kernels.local_attn import acc_dtype, attention_delta, block_bwd_into, block_fwd_into, surrogate_out
 from ..kernels.merge import finite_lse
+from ..kernels.segments import Segments
 from ._function import CPAttention
 
 
@@ -68,61 +80,147 @@ def attn_fix_all_to_all(grid: CPGrid, o_part, lse_part, stats=None):
     if grid.cols == 1:
         return o_part[0], lse_part[0]
     o_all, lse_all = all_to_all(grid.row, [o_part, lse_part], stats)
-    m = finite_lse(lse_all.amax(0))                                    # AttnFix (Alg. 2), at the owner
-    w = torch.exp(lse_all - m)                                      # [C, b, h, s]
-    den = w.sum(0)
-    o = (o_all * w.transpose(2, 3).unsqueeze(-1)).sum(0)
-    o = o.div_(torch.where(den > 0, den, 1.0).transpose(1, 2).unsqueeze(-1))
-    return o, m + torch.log(den)                                    # den == 0 -> -inf (no key seen)
+    # AttnFix (Alg. 2), at the owner: lse = log sum exp(lse_c) (-inf where no partial saw a key), then o = sum of
+    # o_c weighted by exp(lse_c - lse), weights normalised on the lse rows (no pass over o divides) and summed
+    # into o one partial at a time (no [C, ...] temporary).
+    lse = torch.logsumexp(lse_all, 0)
+    w = torch.exp(lse_all - finite_lse(lse)).transpose(2, 3).unsqueeze(-1)     # [C, b, s, h, 1]; 0: no key
+    o = o_all[0] * w[0]
+    for c in range(1, grid.cols):
+        o.addcmul_(o_all[c], w[c])
+    return o, lse
+
+
+@dataclass(frozen=True)
+class ChunkGroups:
+    """Line 5's kernel calls: the row's Q chunks and the column's K, V chunks in groups of n = P / T chunks with
+    residues a, a + T, ..., a + (n - 1) T (a < T). Interleaved (row m n + x = chunk x's row m) a group's tokens
+    are a + T u in order, u = 0 .. n s - 1, so a Q group (a) x K, V group (c) pair is one triangle, as one chunk
+    pair is (`pair_mask(a, c)`: key c + T t visible to query a + T u iff t < u, or t == u and c <= a), n^2 times
+    its size, n from `comm.group_chunks`. Q group g holds row chunks g, g + kq, ... (kq = len(q_res)), K, V group g
+    column chunks g, g + kk, ... (kk = len(kv_res))."""
+
+    n: int
+    q_res: tuple
+    kv_res: tuple
+
+    def segments(self, packing):
+        """A group's documents (packed): every chunk holds 1/P of each, so the group n/P of each, in order."""
+        return None if packing is None else Segments(tuple(o * self.n for o in packing.local.offsets))
+
+
+def chunk_groups(grid: CPGrid, tokens: int) -> ChunkGroups:
+    """The groups of `group_chunks`' size, or of one chunk each where the placement does not split into them (the
+    node-aware one, whose row holds consecutive residues: every chunk pair a call of its own)."""
+    P = grid.world
+    q_res = [grid.row_ranks[c] for c in range(grid.cols)]
+    kv_res = [grid.kv_owner(r, grid.j) for r in range(grid.rows)]
+
+    def split(res, n):
+        T, k = P // n, len(res) // n
+        if any(res[g] >= T or res[g + x * k] != res[g] + x * T for g in range(k) for x in range(n)):
+            return None
+        return tuple(res[:k])
+
+    n = group_chunks(grid.rows, grid.cols, tokens)
+    qg, kg = split(q_res, n), split(kv_res, n)
+    if qg is None or kg is None:
+        n, qg, kg = 1, tuple(q_res), tuple(kv_res)
+    return ChunkGroups(n, qg, kg)
+
+
+def regroup(x: torch.Tensor, k: int, seq: int) -> list:
+    """The gathered chunks x [R or C, ...] (dim `seq` of a chunk its rows) as k groups (ChunkGroups: group g holds
+    chunks g, g + k, ...), each one sequence in token order, chunk x's row m at row m n + x: views for groups of one
+    chunk, else one copy each (x is then no longer needed: the caller keeps only the groups)."""
+    out = []
+    for g in range(k):
+        chunks = x[g::k]
+        if chunks.shape[0] == 1:
+            out.append(chunks[0])
+            continue
+        y = chunks.movedim(0, seq + 1)
+        out.append(y.reshape(y.shape[:seq] + (-1,) + y.shape[seq + 2:]))
+    return out
+
+
+class Grouped:
+    """The partials of every chunk, [k groups of n chunks, *per] with rows along dim `seq` of `per`, stored so that
+    a group's interleaved rows are one view (`group`) and every chunk's, in chunk order, another (`chunks`; strided
+    where n > 1). Groups of one chunk (n = 1): chunk-major, every chunk contiguous."""
+
+    def __init__(self, per: tuple, seq: int, n: int, k: int, dtype, device):
+        self.per, self.seq, self.n, self.k = tuple(per), seq, n, k
+        shape = (k,) + self.per if n == 1 else self.per[:seq + 1] + (n, k) + self.per[seq + 1:]
+        self.buf = torch.empty(shape, dtype=dtype, device=device)
+
+    def group(self, g: int) -> torch.Tensor:
+        if self.n == 1:
+            return self.buf[g]
+        per, seq = self.per, self.seq
+        return self.buf.select(seq + 2, g).view(per[:seq] + (per[seq] * self.n,) + per[seq + 1:])
+
+    def chunks(self) -> torch.Tensor:
+        """[n k, *per], chunk x k + g (group g's x-th) at its index in the row or column."""
+        if self.n == 1:
+            return self.buf
+        return self.buf.movedim((self.seq + 1, self.seq + 2), (0, 1)).view((self.n * self.k,) + self.per)
 
 
 def _forward(grid: CPGrid, q, k, v, *, causal, scale, backend, stats=None, packing=None):
     """q [b, s, h, d], k, v [b, s, h_kv, d] (cyclic shards) -> (o in q.dtype, saved (q, row-major kv, o, lse))."""
-    R, C, acc = grid.rows, grid.cols, acc_dtype(q.dtype)
-    seg = packing.local if packing is not None else None          # every chunk holds 1/P of each document
+    acc, grp = acc_dtype(q.dtype), chunk_groups(grid, q.shape[0] * q.shape[1])
+    kq, kk = len(grp.q_res), len(grp.kv_res)
+    seg = grp.segments(packing)
     # Line 2: K, V to row-major ownership (packed: one all-to-all).
     kv = kv_to_row_major(grid, torch.stack([k, v]), stats)
-    # Lines 3-4: Q gathered in the row, K, V in the column.
-    q_all = all_gather(grid.row, q, stats)                          # [C, b, s, h, d]
-    kv_all = all_gather(grid.col, kv, stats)                        # [R, 2, b, s, h_kv, d]
-    # Line 5: the local partial, one flash-kernel triangle per (Q chunk, K, V chunk).
-    o_part = torch.empty(q_all.shape, dtype=acc, device=q.device)
-    lse_part = torch.empty((C,) + (q.shape[0], q.shape[2], q.shape[1]), dtype=acc, device=q.device)
-    for c in range(C):
-        for r in range(R):
-            mask = pair_mask(grid.row_ranks[c], grid.kv_owner(r, grid.j), causal)
-            block_fwd_into(o_part[c], lse_part[c], q_all[c], kv_all[r, 0], kv_all[r, 1], first=r == 0, mask=mask,
-                           scale=scale, backend=backend, cu_seqlens_q=seg)
+    # Lines 3-4: Q gathered in the row, K, V in the column, the gathered chunks replaced by their groups
+    # (ChunkGroups), interleaved (copies only where n > 1).
+    q_g = regroup(all_gather(grid.row, q, stats), kq, 1)                  # kq x [b, n s, h, d]
+    kv_g = regroup(all_gather(grid.col, kv, stats), kk, 2)                # kk x [2, b, n s, h_kv, d]
+    # Line 5: the local partial, one flash-kernel triangle per (Q group, K, V group).
+    b, s, h, d = q.shape
+    o_part = Grouped((b, s, h, d), 1, grp.n, kq, acc, q.device)
+    lse_part = Grouped((b, h, s), 2, grp.n, kq, acc, q.device)
+    for a in range(kq):
+        for c in range(kk):
+            block_fwd_into(o_part.group(a), lse_part.group(a), q_g[a], kv_g[c][0], kv_g[c][1], first=c == 0,
+                           mask=pair_mask(grp.q_res[a], grp.kv_res[c], causal), scale=scale, backend=backend,
+                           cu_seqlens_q=seg)
     # Lines 6-7: the partials to their owners in the row, merged there (AttnFix).
-    o, lse = attn_fix_all_to_all(grid, o_part, lse_part, stats)
+    o, lse = attn_fix_all_to_all(grid, o_part.chunks(), lse_part.chunks(), stats)
     o = o.to(q.dtype)
     return o, (q, kv, o, lse)
 
 
 def _backward(grid: CPGrid, do, q, kv, o, lse, *, causal, scale, backend, stats=None, packing=None):
     """Alg. 3 from the saved row-major K, V `kv` [2, b, s, h_kv, d]: (dq, dk, dv) in the input dtype."""
-    R, C, acc = grid.rows, grid.cols, acc_dtype(q.dtype)
-    seg = packing.local if packing is not None else None
+    acc, grp = acc_dtype(q.dtype), chunk_groups(grid, q.shape[0] * q.shape[1])
+    kq, kk = len(grp.q_res), len(grp.kv_res)
+    seg = grp.segments(packing)
     ph = "backward"
-    # Lines 4-5: Q, dO, D, lse in the row; K, V in the column.
+    # Lines 4-5: Q, dO, D, lse in the row; K, V in the column; each as its groups (as in the forward).
     delta = attention_delta(do, o)
-    q_all, do_all = all_gather(grid.row, q, stats, ph), all_gather(grid.row, do, stats, ph)
-    stat_all = all_gather(grid.row, torch.stack([delta, lse.to(acc)]), stats, ph)  # [C, 2, b, h, s]
-    kv_all = all_gather(grid.col, kv, stats, ph)
-    # Line 6: block backward per pair from the global (o, lse).
-    # Every partial starts as its first block's result (no zero-fill): dQ chunk c at r = 0, dK, dV chunk r at c = 0.
-    dq_part = torch.empty(q_all.shape, dtype=acc, device=q.device)
-    dkv_part = torch.empty(kv_all.shape, dtype=acc, device=q.device)
-    for c in range(C):
-        o_c = surrogate_out(do_all[c], stat_all[c, 0])     # O is not gathered: built once for the R key chunks
-        for r in range(R):
-            mask = pair_mask(grid.row_ranks[c], grid.kv_owner(r, grid.j), causal)
-            block_bwd_into(dq_part[c], dkv_part[r, 0], dkv_part[r, 1], do_all[c], q_all[c], kv_all[r, 0],
-                           kv_all[r, 1], o_c, stat_all[c, 1], first_q=r == 0, first_kv=c == 0, mask=mask,
-                           scale=scale, backend=backend, cu_seqlens_q=seg)
+    q_g = regroup(all_gather(grid.row, q, stats, ph), kq, 1)
+    do_g = regroup(all_gather(grid.row, do, stats, ph), kq, 1)
+    stat_g = regroup(all_gather(grid.row, torch.stack([delta, lse.to(acc)]), stats, ph), kq, 3)  # [2, b, h, n s]
+    kv_g = regroup(all_gather(grid.col, kv, stats, ph), kk, 2)
+    # Line 6: the backward of each (Q group, K, V group) triangle from the global (o, lse). Every partial starts
+    # as its first call's result (no zero-fill): dQ of Q group a at c = 0, dK, dV of K, V group c at a = 0.
+    b, s, h, d = q.shape
+    dq_part = Grouped((b, s, h, d), 1, grp.n, kq, acc, q.device)
+    dkv_part = Grouped((2, b, s) + tuple(kv.shape[3:]), 2, grp.n, kk, acc, q.device)
+    for a in range(kq):
+        o_g = surrogate_out(do_g[a], stat_g[a][0])   # O is not gathered: built once for the group's K, V groups
+        for c in range(kk):
+            dkv_g = dkv_part.group(c)
+            block_bwd_into(dq_part.group(a), dkv_g[0], dkv_g[1], do_g[a], q_g[a], kv_g[c][0], kv_g[c][1], o_g,
+                           stat_g[a][1], first_q=c == 0, first_kv=a == 0,
+                           mask=pair_mask(grp.q_res[a], grp.kv_res[c], causal), scale=scale, backend=backend,
+                           cu_seqlens_q=seg)
     # Lines 7-9: dQ summed at its owner in the row, dK, dV in the column, then back to column-major.
-    dq = reduce_at_owner(grid.row, dq_part, grid.j, acc, stats, ph)      # fp32: see the module docstring
-    dkv = reduce_at_owner(grid.col, dkv_part, grid.i, q.dtype, stats, ph).to(q.dtype)
+    dq = reduce_at_owner(grid.row, dq_part.chunks(), grid.j, acc, stats, ph)      # fp32: see the module docstring
+    dkv = reduce_at_owner(grid.col, dkv_part.chunks(), grid.i, q.dtype, stats, ph).to(q.dtype)
     dkv = kv_to_row_major(grid, dkv, stats, ph, inverse=True)
     return dq.to(q.dtype), dkv[0], dkv[1]
 

@@ -19,13 +19,11 @@ gradient accumulators in fp32). With GQA (h_kv < h) ring sends less: its K, V ar
 """
 from __future__ import annotations
 
-import torch
-
 from ..comm import CommStats, Ring
 from ..kernels.local_attn import acc_dtype, attention_delta, block_bwd, surrogate_out
-from ..kernels.merge import accumulate_
+from ..kernels.merge import accumulate_, row_sum
 from ._function import CPAttention, in_zigzag_order, saving_inputs
-from ._zigzag import ALL, zigzag_blocks
+from ._zigzag import zigzag_blocks
 from .ring import ring_forward
 
 
@@ -34,7 +32,7 @@ def _backward(group, do, q, k, v, o, lse, *, causal, scale, backend, stats=None,
     ring_q, ring_dq = Ring(group, "backward", stats), Ring(group, "backward", stats)
     P, r, s = ring_q.world, ring_q.rank, q.shape[1]
     acc = acc_dtype(q.dtype)
-    # Lines 1-2: dK, dV accumulate here (started by step 0's result: no zero-fill); D_i = rowsum(dO_i o O_i).
+    # Lines 1-2: dK, dV accumulate here (started by step 0's blocks: no zero-fill); D_i = rowsum(dO_i o O_i).
     dk = dv = None
     delta = attention_delta(do, o)
     blk = (q, do, delta, lse)                                   # line 3: (Q, dO, D, lse) into the ring
@@ -44,7 +42,7 @@ def _backward(group, do, q, k, v, o, lse, *, causal, scale, backend, stats=None,
             nxt = ring_q.send_recv(blk)
         src = (r - step) % P                                    # owner of the Q block in hand
         q_j, do_j, delta_j, lse_j = blk
-        dq_blocks, surrogates = [], {}                          # surrogate O of Q rows qs, once per step
+        dq_blocks, dkv_blocks, surrogates = [], [], {}          # surrogate O of Q rows qs, once per step
         for qs, ks, mask, seg in zigzag_blocks(src, r, s, causal, packing):
             if step == 0:
                 o_j = o[:, qs]
@@ -56,26 +54,24 @@ def _backward(group, do, q, k, v, o, lse, *, causal, scale, backend, stats=None,
             # Lines 8-14 with a flash kernel: P = exp(QK^T - lse_j), dV += P^T dO, dS = P o (dO V^T - D), ...
             dq_b, dk_b, dv_b = block_bwd(do_j[:, qs], q_j[:, qs], k[:, ks], v[:, ks], o_j, lse_j[:, :, qs],
                                          mask=mask, scale=scale, backend=backend, cu_seqlens_q=seg)
-            if dk is None and ks == ALL:                        # step 0's one block covers every key
-                dk, dv = dk_b.to(acc), dv_b.to(acc)
-            else:
-                if dk is None:                                  # packed: step 0 comes in pieces
-                    dk = torch.zeros(k.shape, dtype=acc, device=k.device)
-                    dv = torch.zeros_like(dk)
+            if dk is not None:
                 accumulate_(dk[:, ks], dk_b)
                 accumulate_(dv[:, ks], dv_b)
+            else:
+                dkv_blocks.append((ks, dk_b, dv_b))
             dq_blocks.append((qs, dq_b))
-        if step == 0 and len(dq_blocks) == 1 and dq_blocks[0][0] == ALL:
-            dq_acc = dq_blocks.pop()[1].to(acc)                 # own block, one call over all rows: its result
-        elif step == 0 or dq_in is None:
-            # Own block in pieces (packed): kept here, added at the end. Else the accumulator of Q block src
-            # holds the contributions of ranks src+1 .. r-1: none at step 1.
-            dq_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
+        if dk is None:                                          # step 0's blocks start dK, dV (no zero-fill)
+            dk = row_sum([(ks, x) for ks, x, _ in dkv_blocks], k.shape, acc)
+            dv = row_sum([(ks, x) for ks, _, x in dkv_blocks], v.shape, acc)
+        if step == 0 or dq_in is None:
+            # The own block (step 0): kept here, added at the end. Else the accumulator of Q block src holds the
+            # contributions of ranks src+1 .. r-1: none at step 1, so this step's blocks start it.
+            dq_acc = row_sum(dq_blocks, q.shape, acc)
         else:
             ring_dq.wait()                                      # after the compute: the transfer overlapped it
             (dq_acc,) = dq_in
-        for qs, dq_b in dq_blocks:
-            accumulate_(dq_acc[:, qs], dq_b)
+            for qs, dq_b in dq_blocks:
+                accumulate_(dq_acc[:, qs], dq_b)
         if step == 0:
             dq_own = dq_acc
         else:

@@ -145,7 +145,9 @@ class ReplayDist:
 
     def all_gather(self, out, inp, group=None, async_op=False):
         g = out.numel() // inp.numel()
-        self._fill(out, inp.reshape(1, -1).expand(g, -1).reshape(out.shape))
+        # The echo (every member's x this rank's own) is a copy, read only while preparing: built only then, so that
+        # a timed (or counted) call does what the real one does, one receive, and not a copy more.
+        self._fill(out, inp.reshape(1, -1).expand(g, -1).reshape(out.shape) if self.preparing else None)
         return _Done() if async_op else None
 
     def __getattr__(self, name):                     # constants and types (ReduceOp, ...) are the real ones

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 import megatron_cp_plugin as mcp
 from megatron_cp_plugin.algos import registry
+from megatron_cp_plugin.comm import group_chunks
 from megatron_cp_plugin.bench.anchors import Unavailable, builders
 from megatron_cp_plugin.bench._common import (FLOP_FORMULA, GiB, attention_flop, gather_max, init_distributed,
                                               not_fitting, time_ms, write_report)
@@ -76,9 +77,10 @@ def attention_need(algo: str, S: int, P: int, *, h: int, hk: int, d: int, elem: 
                  all-to-all's packing, output, reshape and reorder copies (4x what it moves); ulysses-ring adds
                  ring's terms on the head shards across its R groups
       attention2d-no  R x C grid: K, V row-major (2K), Q gathered in the row (CQ, none at C = 1), K, V in the
-                 column (2RK, none at R = 1), fp32 partials (C (Qa + L)) and AttnFix's all-to-all (3 C (Qa + L));
-                 backward Q, dO, D, lse (2CQ + 2CL), K, V, dq and dK, dV partials (C Qa + 2R Ka), then the dq
-                 reduction (2C Qa) or the dK, dV one (6RK, or 2RK + 2R Ka + 2Ka)
+                 column (2RK, none at R = 1), fp32 partials (C (Qa + L)), a kernel call over n chunks
+                 (comm.group_chunks) and AttnFix's all-to-all (2 C (Qa + L)); backward Q, dO, D, lse (2CQ + 2CL),
+                 K, V, dq and dK, dV partials (C Qa + 2R Ka), then a call over n chunks, the dq reduction (2C Qa)
+                 or the dK, dV one (4RK, or 2RK + 2Ka)
       attention2d-o   the column's K, V chunks (2RK), Q in flight, fp32 o accumulators own, in hand, arriving,
                  sent (Qa + L each, C = 1: one), Q, dO, D, lse in hand and in flight, dQ accumulators (C = 1:
                  Qa, 2: 3Qa, else 4Qa), dK, dV partials (2R Ka) and the travelling one (R = 2: 4K, else 4Ka)
@@ -125,15 +127,17 @@ def attention_need(algo: str, S: int, P: int, *, h: int, hk: int, d: int, elem: 
         B = max(5 * Q, Q + heads + ws + ring_b, 6 * heads + 2 * Ka)
     elif algo == "attention2d-no":
         R, C = grid or registry.get(algo).grid_shape(P, h, hk)
+        n = group_chunks(R, C, b * s)                           # chunks per kernel call (column-major placement)
         gq, gkv = (C * Q if C > 1 else 0), (2 * R * K if R > 1 else 0)  # a group of one gathers nothing
         saved = 2 * K + Q + L
-        # (rank_replay's all-gather materialises one more copy of the gathered tensor: max(gq, gkv))
-        F = max(2 * K + gq + gkv + C * (Qa + L) + max(2 * Q + Qa, 3 * C * (Qa + L) if C > 1 else 0) + Q,
+        # (one more copy of a gathered tensor: rank_replay's all-gather echo while preparing, and with n > 1 the
+        # interleaved groups beside it: max(gq, gkv))
+        F = max(2 * K + gq + gkv + C * (Qa + L) + max(n * (2 * Q + Qa), 2 * C * (Qa + L) if C > 1 else 0) + Q,
                 2 * K + gq + gkv + max(gq, gkv))
         B = (L + 2 * gq + 2 * C * L + gkv + C * Qa + 2 * R * Ka
-             + max(Q + max(3 * Qa, blk + G),                                            # the block loop
+             + max(n * (Q + max(3 * Qa, blk + G)),                                      # the kernel calls
                    2 * C * Qa + Qa if C > 1 else 0,                                     # dq summed in the row
-                   (Qa if C > 1 else 0) + max(6 * R * K, 2 * R * K + 2 * R * Ka + 2 * Ka) if R > 1 else 0,
+                   (Qa if C > 1 else 0) + max(4 * R * K, 2 * R * K + 2 * Ka) if R > 1 else 0,
                    Qa + 2 * Ka + 4 * K + G))                                            # the results
     elif algo == "attention2d-o":
         R, C = grid or registry.get(algo).grid_shape(P, h, hk)

@@ -37,6 +37,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..comm import group_chunks
+
 FSDP_MIN_UNIT = 1_000_000_000
 """Megatron-FSDP's smallest communication unit in elements (megatron_fsdp.py: max(1e9, 2 x a unit's elements))."""
 
@@ -169,21 +171,26 @@ def ulysses(sh: Shape) -> Terms:
 
 def attention2d_no(sh: Shape) -> Terms:
     """attention2d.py. saved: (q, row-major K, V stacked, o, lse): 2K for the fused QKV output and the rotated k,
-    -(a + g) d e per token. forward: the stacked K, V (2K), Q gathered in the row (gq = CQ, none at C = 1), K, V in
-    the column (gkv = 2RK, none at R = 1), the fp32 partials o_part, lse_part (C (Qa + L)), then the kernel's
-    output and its cast (2Q + Qa) or AttnFix's all-to-all (3C (Qa + L)). backward: lse (L), Q, dO gathered (2gq),
-    D, lse gathered (2CL), K, V (gkv), the fp32 dQ and dK, dV partials (C Qa + 2R Ka), then the largest of the
-    block loop (Q + max(3Qa, blk + G)), the dq sum in the row (2C Qa + Qa), the dK, dV sum in the column and the
-    results (Qa + 2Ka + 4K + G)."""
+    -(a + g) d e per token. Its kernel calls take n chunks of Q and of K, V at once (comm.group_chunks, the
+    column-major placement's; the node-aware placement's n = 1 is counted as that: an over-count there). forward:
+    the stacked K, V (2K), Q gathered in the row (gq = CQ, none at C = 1), K, V in the column (gkv = 2RK, none at
+    R = 1), each replaced by its interleaved groups (n > 1: the larger one beside its copy, max(gq, gkv)), the fp32
+    partials o_part, lse_part (C (Qa + L)), then a call's output and its cast (n (2Q + Qa)) or AttnFix's all-to-all
+    (its send and receive buffers, 2C (Qa + L)). backward: lse (L), Q, dO gathered (2gq), D, lse gathered (2CL),
+    K, V (gkv), the fp32 dQ and dK, dV partials (C Qa + 2R Ka), then the largest of the calls (n (Q + max(3Qa,
+    blk + G))), the dq sum in the row (2C Qa + Qa), the dK, dV sum in the column (its cast and receive buffer 4RK,
+    or the fp32 sum 2RK + 2Ka) and the results (Qa + 2Ka + 4K + G)."""
     R, C = sh.grid
+    n = group_chunks(R, C, sh.tokens)
     Q, K, L, Qa, Ka = sh.Q, sh.K, sh.L, sh.Qa, sh.Ka
     gq, gkv = (C * Q if C > 1 else 0), (2 * R * K if R > 1 else 0)
     saved = -(sh.heads + sh.groups) * sh.head_dim * sh.elem * sh.tokens
-    fwd = 2 * K + gq + gkv + C * (Qa + L) + max(2 * Q + Qa, 3 * C * (Qa + L) if C > 1 else 0)
+    fwd = 2 * K + gq + gkv + max(max(gq, gkv) if n > 1 else 0,
+                                 C * (Qa + L) + max(n * (2 * Q + Qa), 2 * C * (Qa + L) if C > 1 else 0))
     bwd = (L + 2 * gq + 2 * C * L + gkv + C * Qa + 2 * R * Ka
-           + max(Q + max(3 * Qa, sh.blk + sh.G),
+           + max(n * (Q + max(3 * Qa, sh.blk + sh.G)),
                  2 * C * Qa + Qa if C > 1 else 0,
-                 (Qa if C > 1 else 0) + max(6 * R * K, 2 * R * K + 2 * R * Ka + 2 * Ka) if R > 1 else 0,
+                 (Qa if C > 1 else 0) + max(4 * R * K, 2 * R * K + 2 * Ka) if R > 1 else 0,
                  Qa + 2 * Ka + 4 * K + sh.G))
     return Terms(saved, fwd, bwd)
 

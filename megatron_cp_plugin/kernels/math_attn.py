@@ -14,9 +14,12 @@ from .segments import Segments
 
 
 def attention_delta(do: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-    """D = rowsum(dO * O) in fp32 (fp64 for fp64): [b, s, h, d] x2 -> [b, h, s]."""
+    """D = rowsum(dO * O) in fp32 (fp64 for fp64): [b, s, h, d] x2 -> [b, h, s] (contiguous).
+
+    Three passes: dO's cast, the product (O upcast exactly as it is read), the sum over d of the product seen as
+    [b, h, s, d], which lands in [b, h, s] order (no transposed copy)."""
     acc = acc_dtype(o.dtype)
-    return (do.to(acc) * o.to(acc)).sum(-1).transpose(1, 2).contiguous()
+    return torch.mul(do.to(acc), o).permute(0, 2, 1, 3).sum(-1)
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:

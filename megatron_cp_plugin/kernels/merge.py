@@ -8,6 +8,7 @@ A row that saw no key has lse = -inf and o = 0; the merge keeps it finite.
 
     merge_(o, lse, o_blk, lse_blk)     # in place: (o, lse) <- merge((o, lse), (o_blk, lse_blk))
     accumulate_(acc, x, copy=False)    # in place: acc <- acc + x (copy=True: acc <- x), x cast to acc's dtype
+    row_sum(blocks, shape, dtype)      # a new accumulator: the sum of row blocks, 0 on rows none covers
 
 The merge is PyTorch: five elementwise kernels (six with o_blk's cast), about 18 bytes per element of o. A fused
 Triton merge (one launch, 10 bytes per element) matched the PyTorch form under Triton's interpreter at every
@@ -123,6 +124,30 @@ def accumulate_(acc: torch.Tensor, x: torch.Tensor, copy: bool = False) -> None:
     d_blocks = triton.cdiv(d, block_d)
     _launch.launch(_accumulate_kernel, (triton.cdiv(rows, block_r) * d_blocks,),
         acc, x, n1, n2, d, rows, d_blocks, *sa, *sx, BLOCK_R=block_r, BLOCK_D=block_d, COPY=copy, num_warps=warps)
+
+
+def row_sum(blocks, shape, dtype, device=None) -> torch.Tensor:
+    """A new accumulator of `shape` in `dtype` holding the sum of row blocks [(rows, x)] (rows: a slice of dim 1 and
+    x that slice's values, e.g. the query rows of a ring step's kernel calls), 0 on rows no block covers: each row
+    is set by its first block (accumulate_ with copy=True: no zero-fill under a block, no add of zeros), later blocks
+    add. Row slices must be equal or disjoint. One block over every row, already in `dtype` (the math kernel's fp32
+    gradients): that block itself, as x.to(dtype) would return it."""
+    if len(blocks) == 1 and blocks[0][0].indices(shape[1])[:2] == (0, shape[1]) and blocks[0][1].dtype == dtype:
+        return blocks[0][1]
+    acc = torch.empty(shape, dtype=dtype, device=device if device is not None else blocks[0][1].device)
+    spans = []
+    for rows, x in blocks:
+        span = rows.indices(shape[1])[:2]
+        if any(span != sp and max(span[0], sp[0]) < min(span[1], sp[1]) for sp in spans):
+            raise ValueError(f"row_sum: row blocks must be equal or disjoint, got {span} beside {spans}")
+        accumulate_(acc[:, rows], x, copy=span not in spans)
+        spans.append(span)
+    at = 0
+    for lo, hi in sorted(set(spans)) + [(shape[1], shape[1])]:      # the rows between the blocks
+        if lo > at:
+            acc[:, at:lo].zero_()
+        at = max(at, hi)
+    return acc
 
 
 if triton is not None:
