@@ -339,14 +339,15 @@ def test_scaling_shape():
     assert a2d[1].fwd_bytes + a2d[1].bwd_bytes < 0.6 * (a2d[0].fwd_bytes + a2d[0].bwd_bytes)
     assert a2d[1].total_s < 0.6 * a2d[0].total_s and ring[1].total_s > 0.8 * ring[0].total_s
     # Node-aware placement: an 8 x 8 grid on 8-GPU nodes keeps rows (Q, dO, fp32 o and dQ partials) on NVLink
-    # and sends columns (K, V, bf16 dK, dV partials) over InfiniBand: a clear gain with GQA, where columns are
-    # 4x smaller; with MHA the rows carry more too since issue 16's wire policy (fp32 rows, bf16 columns):
-    # a gain of 6%.
+    # and sends columns (K, V, bf16 dK, dV partials) over InfiniBand, but its rows hold consecutive residues, so
+    # line 5 stays one call per chunk pair (64 calls, 56 merges), where the column-major placement runs groups of
+    # n = 4 chunks (4 calls of 4 x 4 pairs, 8 merges of 4 chunks' rows). With GQA (columns 4x smaller) the links
+    # still win: 6 %; with MHA the grouped calls do: node-aware is 15 % slower (both before the GPU refit).
     ib = HARDWARE["h100-ib"]
     aware, col = (cm.predict("attention2d-no", Problem(262144, 64, 32, 8, node_aware=na), ib) for na in (True, False))
-    assert aware.row_major and not col.row_major and aware.total_s < 0.85 * col.total_s
+    assert aware.row_major and not col.row_major and 0.9 < aware.total_s / col.total_s < 0.97
     aware, col = (cm.predict("attention2d-no", Problem(262144, 64, 32, node_aware=na), ib) for na in (True, False))
-    assert aware.fwd_s < col.fwd_s and 0.9 < aware.total_s / col.total_s < 0.97
+    assert aware.fwd_s > col.fwd_s and 1.1 < aware.total_s / col.total_s < 1.2
 
 
 def test_decode_tree_beats_ring_and_one_gpu_at_long_context():

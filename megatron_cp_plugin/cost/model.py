@@ -30,7 +30,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..algos import registry
-from ..comm import attention2d_bytes, choose_grid, grid_rank, kv_moves, wire_bytes
+from ..comm import attention2d_bytes, choose_grid, grid_rank, group_chunks, kv_moves, wire_bytes
 from . import compute as cost_compute
 from .hardware import (ADD_BYTES, ATTNFIX_BYTES, HARDWARE, MERGE_BYTES, Hardware, check_int, overlapped, pairs_link,
                        phase_link)
@@ -214,10 +214,17 @@ def attention2d_cost(algo: str, pb: Problem, hw: Hardware, rank: int | None = No
         col = phase_link(cols, hw, p2p=False) if R > 1 else None
         tr = lambda n, calls=1: row.t(n, calls) if row else 0.0  # noqa: E731
         tc = lambda n, calls=1: col.t(n, calls) if col else 0.0  # noqa: E731
+        # Line 5 in groups of n chunks (attention2d.ChunkGroups; the node-aware placement: n = 1): C / n Q groups
+        # x R / n K, V groups of calls; a Q group merges R / n - 1 results of n chunks' rows, every call adds into
+        # n chunks of dQ and of dK, dV; n > 1 interleaves the gathered Q, K, V (and dO, D, lse) in one copy each.
+        n = 1 if row_major else group_chunks(R, C, pb.batch * (pb.seq_len // P))
+        ilv = 0.0 if n == 1 else 2 / hw.mem_bw
         # (the all-to-alls of partials are timed as the reduce-scatters they replace: same bytes, same rings)
-        fwd = (perm_t + tr(q_g) + tc(kv_g) + F / hw.fwd_tflops + C * (R - 1) * mg
+        fwd = (perm_t + tr(q_g) + tc(kv_g) + F / hw.fwd_tflops + C * (R // n - 1) * mg
+               + ilv * (C * n_q + R * 2 * n_kv) * e
                + (tr(fix) + C * n_q * ATTNFIX_BYTES / hw.mem_bw if C > 1 else 0.0))
-        bwd = (tr(qdo_g, 2) + tr(stat_g) + tc(kv_g) + B / hw.bwd_tflops + R * C * (add_q + add_kv)
+        bwd = (tr(qdo_g, 2) + tr(stat_g) + tc(kv_g) + B / hw.bwd_tflops + R * C // n * (add_q + add_kv)
+               + ilv * ((2 * C * n_q + R * 2 * n_kv) * e + C * 2 * n_r * acc)
                + tr(dq_rs) + tc(dkv_rs) + perm_t)
     else:
         row = phase_link(rows, hw, p2p=True) if C > 1 else None
