@@ -1,5 +1,6 @@
 """The fp32 accumulation kernel (kernels/merge.py `accumulate_`) against torch's `acc.add_` / `acc.copy_`, which
-it must equal bit for bit (the same single rounding of the same sum); on CPU through Triton's interpreter
+it must equal bit for bit (the same single rounding of the same sum), and the fused (o, lse) merge (`merge_`)
+against its PyTorch form `merge_reference_` and the fp64 definition; on CPU through Triton's interpreter
 (TRITON_INTERPRET=1, set in conftest), on GPUs compiled.
 """
 from __future__ import annotations
@@ -37,6 +38,95 @@ def acc_launches(monkeypatch):
             return real[grid]
     monkeypatch.setattr(M, "_accumulate_kernel", Spy())
     return launched
+
+
+@pytest.fixture
+def merge_launches(monkeypatch):
+    """The grids merge_ launched its kernel with."""
+    launched, real = [], M._merge_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return real[grid]
+    monkeypatch.setattr(M, "_merge_kernel", Spy())
+    return launched
+
+
+def _partials(g, b, s, h, d, blk_dtype, empty_rows=()):
+    """(o, lse) fp32 and a block (o_blk in blk_dtype, lse_blk fp32); rows in empty_rows (s indices) have seen no
+    key on both sides (lse -inf, o 0), row 1 none in (o, lse) only, row 2 none in the block only."""
+    o, o_blk = torch.randn(b, s, h, d, generator=g), torch.randn(b, s, h, d, generator=g).to(blk_dtype)
+    lse, lse_blk = torch.randn(b, h, s, generator=g) * 4, torch.randn(b, h, s, generator=g) * 4
+    lse[:, :, 1], o[:, 1] = float("-inf"), 0.0
+    lse_blk[:, :, 2], o_blk[:, 2] = float("-inf"), 0.0
+    for r in empty_rows:
+        lse[:, :, r] = lse_blk[:, :, r] = float("-inf")
+        o[:, r], o_blk[:, r] = 0.0, 0.0
+    return o.to(DEV), lse.to(DEV), o_blk.to(DEV), lse_blk.to(DEV)
+
+
+def _merged_fp64(o, lse, o_blk, lse_blk):
+    """The definition: lse = log(e^lse + e^lse_blk), o = o e^(lse - lse') + o_blk e^(lse_blk - lse'), rows that saw
+    no key 0."""
+    o, lse, o_blk, lse_blk = (t.double() for t in (o, lse, o_blk, lse_blk))
+    new = torch.logaddexp(lse, lse_blk)
+    f = M.finite_lse(new)
+    w1, w2 = ((x - f).exp().transpose(1, 2).unsqueeze(-1) for x in (lse, lse_blk))
+    return torch.nan_to_num(o * w1 + o_blk * w2), new
+
+
+@pytest.mark.parametrize("blk_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("d", [96, 128])
+def test_merge_equals_reference_and_definition(merge_launches, blk_dtype, d):
+    """Into row slices of a longer (o, lse), as the ring merges a zigzag half: the kernel equals the PyTorch form to
+    fp32 rounding and the fp64 definition to fp32 accuracy, -inf rows included, nothing outside the slice written."""
+    g = torch.Generator().manual_seed(d)
+    o, lse, o_blk, lse_blk = _partials(g, 2, 20, 4, d, blk_dtype, empty_rows=(5,))
+    rows = slice(3, 11)
+    ob, lb = o_blk[:, rows].contiguous(), lse_blk[:, :, rows].contiguous()
+    want_o, want_lse = o.clone(), lse.clone()
+    M.merge_reference_(want_o[:, rows], want_lse[:, :, rows], ob, lb)
+    exact_o, exact_lse = _merged_fp64(o[:, rows], lse[:, :, rows], ob, lb)
+    M.merge_(o[:, rows], lse[:, :, rows], ob, lb)
+    assert len(merge_launches) == 1
+    torch.testing.assert_close(o, want_o, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(lse, want_lse, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(o[:, rows].double(), exact_o, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse[:, :, rows].double(), exact_lse, rtol=1e-6, atol=1e-6)
+    assert torch.isinf(lse[:, :, 5]).all() and (o[:, 5] == 0).all(), "a row that saw no key stays empty"
+    assert torch.equal(o[:, :3], want_o[:, :3]) and torch.equal(lse[:, :, 11:], want_lse[:, :, 11:])
+
+
+def test_merge_many_programs_wide_rows_and_strided_block(merge_launches, monkeypatch):
+    """The GPU's tiling under the interpreter: 2-row programs (rows are (b, s, h), one program's rows span several
+    s), rows of 1500 in 1024-wide steps (one program loops over d), a permuted o_blk and a transposed lse_blk."""
+    monkeypatch.setattr(M, "_TILE_INTERPRET", 256)
+    monkeypatch.setattr(M, "_TILE", 256)
+    for b, s, h, d in ((2, 9, 3, 64), (1, 3, 2, 1500)):
+        g = torch.Generator().manual_seed(d)
+        o, lse, o_blk, lse_blk = _partials(g, b, s, h, d, torch.bfloat16)
+        o_blk = o_blk.transpose(1, 2).contiguous().transpose(1, 2)              # [b, s, h, d] with h outer
+        lse_blk = lse_blk.transpose(1, 2).contiguous().transpose(1, 2)          # [b, h, s] with s outer
+        want_o, want_lse = o.clone(), lse.clone()
+        M.merge_reference_(want_o, want_lse, o_blk, lse_blk)
+        M.merge_(o, lse, o_blk, lse_blk)
+        torch.testing.assert_close(o, want_o, rtol=2e-6, atol=2e-6)
+        torch.testing.assert_close(lse, want_lse, rtol=2e-6, atol=2e-6)
+    assert len(merge_launches) == 2 and all(grid[0] > 1 for grid in merge_launches)
+
+
+def test_merge_falls_back_to_torch(merge_launches):
+    """fp64 accumulators (the CPU tests' exactness runs) and tensors autograd must see take the PyTorch form."""
+    g = torch.Generator().manual_seed(1)
+    o, lse, o_blk, lse_blk = (t.double() for t in _partials(g, 1, 4, 2, 8, torch.float32))
+    want_o, want_lse = _merged_fp64(o, lse, o_blk, lse_blk)
+    M.merge_(o, lse, o_blk, lse_blk)
+    torch.testing.assert_close(o, want_o, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-12, atol=1e-12)
+    o32, lse32, ob, lb = _partials(g, 1, 4, 2, 8, torch.float32)
+    M.merge_(o32, lse32, ob.requires_grad_(), lb)
+    assert merge_launches == []
 
 
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
@@ -136,3 +226,20 @@ def test_gpu_compiled_kernel_at_ring_sizes(copy):
         (want[:, 1000:1000 + rows].copy_ if copy else want[:, 1000:1000 + rows].add_)(g)
         M.accumulate_(full[:, 1000:1000 + rows], g, copy=copy)
         assert torch.equal(full, want)
+
+
+@needs_cuda
+def test_gpu_compiled_merge_at_ring_sizes():
+    """Compiled on a GPU at a ring block's sizes (2 x 2048 and 8192 rows, 32 heads, d = 128, where an earlier fused
+    merge gave ~1 % of rows another row's weight), into zigzag-half row slices: every row against the PyTorch form."""
+    torch.manual_seed(0)
+    for rows in (2048, 8192):
+        o = torch.randn(2, 2 * rows, 32, 128, device="cuda")
+        lse = torch.randn(2, 32, 2 * rows, device="cuda") * 4
+        o_blk = torch.randn(2, rows, 32, 128, device="cuda", dtype=torch.bfloat16)
+        lse_blk = torch.randn(2, 32, rows, device="cuda") * 4
+        want_o, want_lse = o.clone(), lse.clone()
+        M.merge_reference_(want_o[:, rows:], want_lse[:, :, rows:], o_blk, lse_blk)
+        M.merge_(o[:, rows:], lse[:, :, rows:], o_blk, lse_blk)
+        torch.testing.assert_close(o, want_o, rtol=2e-6, atol=2e-6)
+        torch.testing.assert_close(lse, want_lse, rtol=2e-6, atol=2e-6)

@@ -1,5 +1,5 @@
-"""The fp32 accumulation kernel (kernels/merge.py `accumulate_`) against torch's add_ / copy_, and the (o, lse)
-merge's cost, on one GPU.
+"""The fp32 accumulation kernel (kernels/merge.py `accumulate_`) against torch's add_ / copy_, and the fused (o, lse)
+merge `merge_` against its PyTorch form, on one GPU.
 
     megatron-cp-bench merge --rows 2048 8192 32768
 
@@ -9,7 +9,8 @@ as long, added into (and set from, copy=True) with a bf16 block gradient. Median
 events, after warm-up), the speedup of the kernel and the bandwidth each reaches on the bytes it moves, beside
 the device copy bandwidth measured in the same run (bench/flash_decode.copy_bandwidth). Bytes per element of o
 (n = rows * h * d) and per row (rows * h), bf16 block:
-    merge_            18 n + 44 rows   (PyTorch: o_blk's fp32 copy written and read again; five [b, h, s] passes)
+    merge_reference_  18 n + 44 rows   (PyTorch: o_blk's fp32 copy written and read again; five [b, h, s] passes)
+    merge_            10 n + 12 rows   (Triton: o read and written, o_blk read; lse read and written, lse_blk read)
     add_, accumulate_ 10 n             (acc read and written, x read: the same bytes, torch's kernel is not
                                         vectorised for mixed dtypes)
     copy_, accumulate_(copy=True) 6 n
@@ -42,7 +43,8 @@ def _cases(r: int, h: int, d: int, dev) -> list:
     lse_blk = torch.randn(1, h, r, device=dev)
     acc = torch.zeros(1, 2 * r, h, d, device=dev)[:, r // 2:r // 2 + r]      # a row slice, as in the ring
     return [
-        ("merge", "merge_ (PyTorch)", lambda: M.merge_(o, lse, o_blk, lse_blk), 18 * n + 44 * r * h),
+        ("merge", "merge_reference_ (PyTorch)", lambda: M.merge_reference_(o, lse, o_blk, lse_blk), 18 * n + 44 * r * h),
+        ("merge", "merge_ (Triton)", lambda: M.merge_(o, lse, o_blk, lse_blk), 10 * n + 12 * r * h),
         ("add", "acc.add_(x)", lambda: acc.add_(o_blk), 10 * n),
         ("add", "accumulate_ (Triton)", lambda: kernel(acc, o_blk), 10 * n),
         ("copy", "acc.copy_(x)", lambda: acc.copy_(o_blk), 6 * n),

@@ -7,13 +7,16 @@ Accumulate in fp32 (or fp64): bf16 accumulation across ring steps loses about 2^
 A row that saw no key has lse = -inf and o = 0; the merge keeps it finite.
 
     merge_(o, lse, o_blk, lse_blk)     # in place: (o, lse) <- merge((o, lse), (o_blk, lse_blk))
+    merge_reference_(...)              # the same in PyTorch: the definition the kernel is tested against
     accumulate_(acc, x, copy=False)    # in place: acc <- acc + x (copy=True: acc <- x), x cast to acc's dtype
     row_sum(blocks, shape, dtype)      # a new accumulator: the sum of row blocks, 0 on rows none covers
 
-The merge is PyTorch: five elementwise kernels (six with o_blk's cast), about 18 bytes per element of o. A fused
-Triton merge (one launch, 10 bytes per element) matched the PyTorch form under Triton's interpreter at every
-size but not compiled on an H200: at a ring block's size (2 x 2048 rows, 32 heads, d = 128) about 1 % of the
-rows came out with another row's weight (lse right, o wrong), so it was removed (issue 34's closing note).
+`merge_` is one Triton launch (`_merge_kernel`, 10 bytes per element of o: o read and written, a bf16 o_blk read)
+where it can run; its PyTorch form `merge_reference_` is five elementwise kernels, six with o_blk's fp32 cast,
+about 18 bytes per element (lerp 15 x 0.12 ms and the casts' copies 15 x 0.09 ms of one ring rank's 70 ms at
+P = 16, 128k, one H100, `scripts/profile_rank.py`). Each program of the kernel owns whole rows (every d of a
+(b, s, h) row) and writes their lse after their o: an earlier fused merge that split rows over programs matched
+under the interpreter, which runs programs one after another, and compiled gave ~1 % of rows another row's weight.
 
 `accumulate_` is a Triton kernel. Adding a bf16 block gradient into an fp32 accumulator slice with torch,
 `acc[:, rows].add_(g)`, mixes dtypes and so runs torch's non-vectorised `unrolled_elementwise_kernel`
@@ -60,10 +63,32 @@ def finite_lse(lse: torch.Tensor) -> torch.Tensor:
 
 
 def merge_(o: torch.Tensor, lse: torch.Tensor, o_blk: torch.Tensor, lse_blk: torch.Tensor) -> None:
-    """In place: (o, lse) <- merge((o, lse), (o_blk, lse_blk)); the definition the Triton kernel is tested against.
+    """In place: (o, lse) <- merge((o, lse), (o_blk, lse_blk)).
 
     o [b, s, h, d] fp32/fp64 accumulator (a view is fine); lse [b, h, s] same dtype family;
-    o_blk [b, s, h, d] any float dtype; lse_blk [b, h, s] fp32.
+    o_blk [b, s, h, d] any float dtype; lse_blk [b, h, s] fp32. One Triton launch for an fp32 o where Triton
+    runs (`_triton_ok`), else `merge_reference_`; the two agree to fp32 rounding (tests/test_merge.py).
+    """
+    if not (o.dim() == 4 and lse.dim() == 3 and o.dtype == torch.float32 and lse.dtype == torch.float32
+            and o_blk.shape == o.shape and lse_blk.shape == lse.shape and o_blk.dtype in _FLOAT[:3]
+            and lse_blk.dtype == torch.float32 and tuple(lse.shape) == (o.shape[0], o.shape[2], o.shape[1])
+            and o.shape[0] * o.shape[1] * o.shape[2] < 2**31 and _writable(o) and _writable(lse)
+            and _triton_ok(o, lse, o_blk, lse_blk)):
+        merge_reference_(o, lse, o_blk, lse_blk)
+        return
+    b, s, h, d = o.shape
+    rows = b * s * h
+    if rows == 0 or d == 0:
+        return
+    block_d, block_r, warps = _tile(d)
+    block_r = min(block_r, triton.next_power_of_2(rows))
+    _launch.launch(_merge_kernel, (triton.cdiv(rows, block_r),), o, lse, o_blk, lse_blk, s, h, d, rows,
+                   *o.stride(), *lse.stride(), *o_blk.stride(), *lse_blk.stride(),
+                   BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps)
+
+
+def merge_reference_(o: torch.Tensor, lse: torch.Tensor, o_blk: torch.Tensor, lse_blk: torch.Tensor) -> None:
+    """`merge_` in PyTorch, for any dtypes (fp64 included): the definition the Triton kernel is tested against.
 
     Five elementwise kernels (six with o_blk's cast), one read and write of o: the block's weight
     exp(lse_blk - lse_new) is sigmoid(lse_blk - lse), the old part's 1 minus it, so o moves toward o_blk by
@@ -170,3 +195,34 @@ if triton is not None:
         else:                       # as torch's add_: the sum in the promoted dtype (fp64 if either is), rounded once
             y = tl.load(a_ptr, mask=m, other=0.0) + x
         tl.store(a_ptr, y.to(A.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _merge_kernel(O, L, OB, LB, S, H, D, ROWS, so0, so1, so2, so3, sl0, sl1, sl2, sb0, sb1, sb2, sb3,
+                      sm0, sm1, sm2, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+        # Program p -> rows p BLOCK_R .. of the (b, s, h) rows, h fastest, every d of each: the only program that
+        # reads or writes those rows' lse, so it may write them at the end (a row split over programs would race).
+        pid = tl.program_id(0)
+        rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+        ok = rows < ROWS
+        ib, isq, ih = (rows // (S * H)).to(tl.int64), ((rows // H) % S).to(tl.int64), (rows % H).to(tl.int64)
+        l_ptr = L + ib * sl0 + ih * sl1 + isq * sl2
+        l = tl.load(l_ptr, mask=ok, other=0.0)
+        lb = tl.load(LB + ib * sm0 + ih * sm1 + isq * sm2, mask=ok, other=0.0)
+        # merge_reference_'s steps: w = sigmoid(lb - l), NaN (both -inf) -> 0; lse = logaddexp(l, lb) as torch
+        # forms it (equal infinities stay); o = lerp(o, o_blk, w) with torch's two-sided formula.
+        w = 1.0 / (1.0 + tl.exp(l - lb))
+        w = tl.where(w == w, w, 0.0)
+        same_inf = (l == lb) & (tl.abs(l) == float("inf"))
+        lse = tl.where(same_inf, l, tl.maximum(l, lb) + tl.log(1.0 + tl.exp(-tl.abs(l - lb))))
+        w2 = w[:, None]
+        o_row = (ib * so0 + isq * so1 + ih * so2)[:, None]
+        b_row = (ib * sb0 + isq * sb1 + ih * sb2)[:, None]
+        for d0 in range(0, D, BLOCK_D):
+            dims = d0 + tl.arange(0, BLOCK_D)
+            m = ok[:, None] & (dims < D)[None, :]
+            o_ptr = O + o_row + dims[None, :] * so3
+            x = tl.load(o_ptr, mask=m, other=0.0)
+            y = tl.load(OB + b_row + dims[None, :] * sb3, mask=m, other=0.0).to(x.dtype)
+            diff = y - x
+            tl.store(o_ptr, tl.where(w2 < 0.5, x + w2 * diff, y - diff * (1.0 - w2)), mask=m)
+        tl.store(l_ptr, lse, mask=ok)
