@@ -297,9 +297,11 @@ def test_auto_chooses_the_collective_algorithms():
     nv, ib = HARDWARE["h200-nvlink"], HARDWARE["h100-ib"]
     name, times = choose_algo(Problem(131072, 8, 32, 8), nv)
     assert name == "ulysses" and times[name] < min(times[a] for a in MEASURED_ALGOS)
-    name, times = choose_algo(Problem(131072, 8, 4, 4), nv)                # 4 heads over 8 ranks
-    assert "ulysses" not in times and name == "ulysses-ring"
-    assert cm.best_grid(name, Problem(131072, 8, 4, 4), nv) == (2, 4)
+    # 4 heads over 8 ranks: compute-bound, ulysses-ring within 2 % of the best (with the measured compute factors of
+    # configs/rank_compute.json, ring's 1.0 at P = 4-16 makes it 1 % faster: 14.11 against 14.26 ms).
+    name, times = choose_algo(Problem(131072, 8, 4, 4), nv)
+    assert "ulysses" not in times and times["ulysses-ring"] <= 1.02 * times[name]
+    assert cm.best_grid("ulysses-ring", Problem(131072, 8, 4, 4), nv) == (2, 4)
     pb = Problem(131072, 64, 32, 8)                                        # 8 nodes: no all-to-all over 64
     name, times = choose_algo(pb, ib)
     assert "ulysses" not in times and name == "ulysses-ring" and times[name] < 0.6 * times["attention2d-o"]
@@ -317,11 +319,12 @@ def test_best_grid_is_the_fastest_predicted_and_prefers_bytes_in_a_tie():
     secs = {r: cm.predict("attention2d-no", dataclasses.replace(pb, grid=(r, 4 // r)), nv).total_s for r in (1, 2, 4)}
     assert g == (4, 1) != mcp.choose_grid(4, h=32, h_kv=8) and secs[4] == min(secs.values())
     assert cm.best_grid("attention2d-no", dataclasses.replace(pb, grid=(2, 2)), nv) == (2, 2)   # given: kept
-    # Compute-bound (P = 16 on 8-GPU IB nodes, 128k, MHA): every grid within 1.5%; the fewest bytes win (4 x 4),
-    # not the 1 x 16 the model happens to rate 0.3% faster with 2.7x the bytes.
+    # Nearly compute-bound (P = 16 on 8-GPU IB nodes, 128k, MHA): the grids from 4 x 4 up within 1 % of each other;
+    # the fewest bytes win (4 x 4), not the 16 x 1 the model rates 0.8 % faster with 2.3x the bytes.
     pb = Problem(131072, 16, 32)
     preds = {r: cm.predict("attention2d-no", dataclasses.replace(pb, grid=(r, 16 // r)), ib) for r in (1, 2, 4, 8, 16)}
-    assert max(p.total_s for p in preds.values()) < 1.02 * min(p.total_s for p in preds.values())
+    fastest = min(p.total_s for p in preds.values())
+    assert all(preds[r].total_s < 1.01 * fastest for r in (4, 8, 16)) and preds[1].total_s > 1.05 * fastest
     assert cm.best_grid("attention2d-no", pb, ib) == (4, 4)
     # auto and attention2d run the algorithm on the grid its time was predicted for.
     from megatron_cp_plugin.megatron.args import CPConfig
@@ -341,13 +344,14 @@ def test_scaling_shape():
     # Node-aware placement: an 8 x 8 grid on 8-GPU nodes keeps rows (Q, dO, fp32 o and dQ partials) on NVLink
     # and sends columns (K, V, bf16 dK, dV partials) over InfiniBand, but its rows hold consecutive residues, so
     # line 5 stays one call per chunk pair (64 calls, 56 merges), where the column-major placement runs groups of
-    # n = 4 chunks (4 calls of 4 x 4 pairs, 8 merges of 4 chunks' rows). With GQA (columns 4x smaller) the links
-    # still win: 6 %; with MHA the grouped calls do: node-aware is 15 % slower (both before the GPU refit).
+    # n = 4 chunks (4 calls of 4 x 4 pairs, 8 merges of 4 chunks' rows). With the fused merge (10 bytes an element)
+    # and the measured factors (configs/rank_compute.json, one H100): with GQA (columns 4x smaller) the links win,
+    # node-aware 19 % faster; with MHA the grouped calls do, node-aware 3.5 % slower.
     ib = HARDWARE["h100-ib"]
     aware, col = (cm.predict("attention2d-no", Problem(262144, 64, 32, 8, node_aware=na), ib) for na in (True, False))
-    assert aware.row_major and not col.row_major and 0.9 < aware.total_s / col.total_s < 0.97
+    assert aware.row_major and not col.row_major and 0.75 < aware.total_s / col.total_s < 0.87
     aware, col = (cm.predict("attention2d-no", Problem(262144, 64, 32, node_aware=na), ib) for na in (True, False))
-    assert aware.fwd_s > col.fwd_s and 1.1 < aware.total_s / col.total_s < 1.2
+    assert 1.0 < aware.total_s / col.total_s < 1.1
 
 
 def test_decode_tree_beats_ring_and_one_gpu_at_long_context():

@@ -132,3 +132,25 @@ def test_rank_subcommand_reports_rows_that_do_not_fit_as_not_run(tmp_path, monke
     where = torch.cuda.get_device_name() if torch.cuda.is_available() else "this CPU"   # the device the rows use
     assert md[4].startswith("| 64 | 4/2 | 2 | ring | - |") and md[4].endswith(f" not run: needs 0.0 GiB of 0.0 GiB "
                                                                              f"free on {where} |")
+
+
+def test_refit_recomputes_the_factors_against_todays_model(tmp_path):
+    """`rank --refit OUT.json --fit-out F`: the x_model of every timed row against the cost model as it is now (so a
+    change to its constants keeps the committed factors relative to it); rows not run are skipped."""
+    from megatron_cp_plugin.bench.rank_replay import model_x_ideal
+    rows = [{"S": 131072, "h/h_kv": "32/8", "P": 16, "algo": "ring", "grid": "-", "x_ideal": 1.2},
+            {"S": 1048576, "h/h_kv": "32/32", "P": 16, "algo": "ring", "grid": "-", "x_ideal": 1.0},
+            {"S": 131072, "h/h_kv": "32/32", "P": 16, "algo": "attention2d-no", "grid": "4x4", "x_ideal": 1.3},
+            {"S": 131072, "h/h_kv": "32/32", "P": 64, "algo": "burst", "grid": "-", "not_run": "not run: x"}]
+    src = tmp_path / "rank.json"
+    src.write_text(json.dumps({"header": "rank_replay: ... b=1 d=64 causal torch.bfloat16.", "command": "c",
+                               "device": "GPU", "rows": rows}))
+    assert bench_main(["rank", "--refit", str(src), "--fit-out", str(tmp_path / "fit.json")]) == 0
+    f = json.loads((tmp_path / "fit.json").read_text())["factors"]
+    want = [r["x_ideal"] / model_x_ideal(r["algo"], r["S"], r["P"], *map(int, r["h/h_kv"].split("/")), 64,
+                                         (4, 4) if r["grid"] == "4x4" else None, 2) for r in rows[:3]]
+    assert f["ring"]["16"] == pytest.approx((want[0] + want[1]) / 2)
+    assert f["attention2d-no 4x4"]["16"] == f["attention2d-no"]["16"] == pytest.approx(want[2])
+    assert set(f) == {"ring", "attention2d-no 4x4", "attention2d-no"}
+    with pytest.raises(SystemExit, match="--fit-out"):
+        bench_main(["rank", "--refit", str(src)])

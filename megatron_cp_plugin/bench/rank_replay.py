@@ -38,6 +38,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import re
 import statistics
 import time
 
@@ -263,6 +264,30 @@ def fit(rows, command: str, device: str) -> dict:
             "source": f"{command} on {device}", "factors": factors}
 
 
+def refit(path: str, fit_out: str | None) -> int:
+    """`--refit`: x_model of every timed row of a result JSON against today's model, and its fit file."""
+    if not fit_out:
+        raise SystemExit("megatron-cp-bench rank: --refit needs --fit-out PATH (where to write the factors)")
+    with open(path) as fh:
+        data = json.load(fh)
+    header = data.get("header", "")
+    elem = 4 if "torch.float32" in header else 2
+    d = int(re.search(r"\bd=(\d+)", header).group(1)) if re.search(r"\bd=(\d+)", header) else 128
+    rows = []
+    for r in data["rows"]:
+        if "x_ideal" in r:
+            h, hk = (int(x) for x in r["h/h_kv"].split("/"))
+            grid = tuple(int(x) for x in r["grid"].split("x")) if r["grid"] != "-" else None
+            r = {**r, "x_model": r["x_ideal"] / model_x_ideal(r["algo"], r["S"], r["P"], h, hk, d, grid, elem)}
+        rows.append(r)
+    out = fit(rows, data.get("command", "?") + f" (refitted from {path} against today's cost model)",
+              data.get("device") or "?")
+    with open(fit_out, "w") as fh:
+        json.dump(out, fh, indent=1)
+    print(f"megatron-cp-bench rank --refit: {sum('x_model' in r for r in rows)} rows of {path} -> {fit_out}")
+    return 0
+
+
 # ----------------------------------------------------------------------------------------------- memory
 def _receives(algo, P, h, hk, d, s, e, grid) -> int:
     """Bytes of ReplayDist's prepared receives for one fwd+bwd, one tensor per kind of receive (Q = s h d e,
@@ -361,7 +386,12 @@ def main(argv=None):
                    help="writes OUT.json, OUT.md and OUT.png (the figure, with matplotlib)")
     p.add_argument("--fit-out", default=None, metavar="PATH", help="also write the cost model's compute factors "
                    "(megatron_cp_plugin/configs/rank_compute.json is the one it reads)")
+    p.add_argument("--refit", default=None, metavar="JSON", help="run nothing: recompute x_model of a earlier run's "
+                   "result (OUT.json) against today's cost model and write --fit-out from it (after a change to the "
+                   "model's constants, so that the factors stay relative to the model that reads them)")
     a = p.parse_args(argv)
+    if a.refit:
+        return refit(a.refit, a.fit_out)
     _check_args(p, a)
     dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32

@@ -12,12 +12,12 @@ import math
 from dataclasses import dataclass
 
 
-# Memory-bound steps, in bytes of HBM traffic per element at `Hardware.mem_bw`. merge_ (kernels/merge.py) was six
-# unfused elementwise kernels: measured 0.532 ms for 33.5M elements and 1.73 ms for 134M on H200
-# (docs/results/local_attn.md), i.e. 54-67 bytes per element at the measured 4.2 TB/s copy bandwidth. It is now
-# five kernels with one pass over o (about 18 bytes per element by count, not yet timed on a GPU); the 60 stays
-# until `megatron-cp-bench rank` measures it, and its fitted factors (compute.py) absorb the difference.
-MERGE_BYTES = 60
+# Memory-bound steps, in bytes of HBM traffic per element at `Hardware.mem_bw`. merge_ (kernels/merge.py) is one
+# Triton kernel: o read and written in fp32 (8), a bf16 block read (2); 0.16 ms for 33.5M elements and 0.52 ms for
+# 134M on one H100 (`megatron-cp-bench merge`: 2.1-2.6 TB/s of its measured 2.97 TB/s copy bandwidth). The former
+# six-kernel PyTorch merge measured 54-67 bytes an element (0.532 ms for 33.5M on H200); what a rank's other
+# launches cost beyond these bytes is in each algorithm's fitted factor (compute.py, configs/rank_compute.json).
+MERGE_BYTES = 10
 # A gradient-accumulator add (fp32 += block result): read 4 + 4, write 4.
 ADD_BYTES = 12
 # AttnFix (Attention2D-NO): exp of lse, o * w, the packed copy and the final divide, ~3 elementwise passes.
