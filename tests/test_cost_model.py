@@ -209,7 +209,7 @@ def test_nvlink_predictions_are_checks_nothing_fitted():
     against the preset's 600 / 566, 6% of it) and 25% at 32k (the smallest blocks); +5% above allows the
     run-to-run spread (the two 128k runs at P = 2 differ by up to 2%)."""
     hw = HARDWARE["h200-nvlink"]
-    for name in ("nvlink-p2", "nvlink-p2-rerun", "nvlink-p4", "nvlink-p2-issue34"):
+    for name in ("nvlink-p2", "nvlink-p2-rerun", "nvlink-p4", "nvlink-p2-issue34", "nvlink-p2-h100-issue34"):
         s = _set(name)
         for r in s["rows"]:
             p = cm.predict(r["algo"], attention_problem(s, r["seq_len"]), hw)

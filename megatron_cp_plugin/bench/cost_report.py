@@ -145,6 +145,8 @@ def table_measured(data: dict | None = None) -> list[Table]:
             continue
         preset = HARDWARE["h200-sockets"]
         fit_rows = [r for r in s["rows"] if r["seq_len"] == 32768]
+        split = 0 < len(fit_rows) < len(s["rows"])       # a 32k half to fit on and a 128k half to check
+        fit_rows = fit_rows if split else s["rows"]
         refit = fit_link(preset, s, fit_rows)
         rows = []
         for r in s["rows"]:
@@ -159,10 +161,12 @@ def table_measured(data: dict | None = None) -> list[Table]:
                          "refit role": "fit" if r in fit_rows else "check"})
         pair = lambda f: lambda v: f"{f(v[0])} / {f(v[1])}"  # noqa: E731
         out.append(Table(
-            f"h200-sockets ({s['name']}: P = {s['world']}, b = 1, h = h_kv = 16, d = 128, bf16, causal; ms). "
-            f"preset: {preset.intra_bw / 1e9:.2f} GB/s, p2p x{preset.p2p_ratio:.2f}, fitted on all 16 figures "
-            f"(in-sample). refit: the same two parameters fitted on the 32k rows alone, {refit.intra_bw / 1e9:.2f} "
-            f"GB/s, p2p x{refit.p2p_ratio:.2f}; its 128k errors are out of sample", rows,
+            f"h200-sockets ({s['name']}, {s['device']}: P = {s['world']}, b = 1, h = h_kv = 16, d = 128, bf16, "
+            f"causal; ms). preset: {preset.intra_bw / 1e9:.2f} GB/s, p2p x{preset.p2p_ratio:.2f}, fitted on all 16 "
+            f"figures of sockets-p2" + (" (in-sample)" if s["name"] == "sockets-p2" else " (another host)") +
+            ". refit: the same two parameters fitted on " + ("the 32k rows alone" if split else "this set's rows") +
+            f", {refit.intra_bw / 1e9:.2f} GB/s, p2p x{refit.p2p_ratio:.2f}" +
+            ("; its 128k errors are out of sample" if split else " (in-sample)"), rows,
             {"S": _k, "pred fwd (preset / refit)": pair(_ms), "err fwd": pair(_pct),
              "pred fwd+bwd (preset / refit)": pair(_ms), "err fwd+bwd": pair(_pct)}))
     rows = []
