@@ -27,30 +27,28 @@ def interpreted_on_cpu(monkeypatch):
     monkeypatch.setattr(M, "ACCUMULATE_MIN_NUMEL", 0)
 
 
-@pytest.fixture
-def acc_launches(monkeypatch):
-    """The grids accumulate_ launched its kernel with: a test that expects the kernel checks it ran."""
-    launched, real = [], M._accumulate_kernel
+def _spy(monkeypatch, kernel: str) -> list:
+    """The grids the module's Triton kernel `kernel` is launched with from now on (it still runs)."""
+    launched, real = [], getattr(M, kernel)
 
     class Spy:
         def __getitem__(self, grid):
             launched.append(grid)
             return real[grid]
-    monkeypatch.setattr(M, "_accumulate_kernel", Spy())
+    monkeypatch.setattr(M, kernel, Spy())
     return launched
+
+
+@pytest.fixture
+def acc_launches(monkeypatch):
+    """The grids accumulate_ launched its kernel with: a test that expects the kernel checks it ran."""
+    return _spy(monkeypatch, "_accumulate_kernel")
 
 
 @pytest.fixture
 def merge_launches(monkeypatch):
     """The grids merge_ launched its kernel with."""
-    launched, real = [], M._merge_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            launched.append(grid)
-            return real[grid]
-    monkeypatch.setattr(M, "_merge_kernel", Spy())
-    return launched
+    return _spy(monkeypatch, "_merge_kernel")
 
 
 def _partials(g, b, s, h, d, blk_dtype, empty_rows=()):
