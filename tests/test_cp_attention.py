@@ -159,6 +159,26 @@ def test_attention2d_explicit_grids(pools, world, grid, algo):
     assert all(pools(world).run(_cases, algo, torch.float32, grid, timeout=120))
 
 
+def _capped_cases(rank, world, algo, dtype, grid, max_tokens):
+    """_cases with comm.MAX_GROUP_TOKENS set to max_tokens in this rank (b s = 20 query rows a chunk here)."""
+    from megatron_cp_plugin import comm
+    keep, comm.MAX_GROUP_TOKENS = comm.MAX_GROUP_TOKENS, max_tokens
+    try:
+        return _cases(rank, world, algo, dtype, grid)
+    finally:
+        comm.MAX_GROUP_TOKENS = keep
+
+
+@pytest.mark.parametrize("max_tokens", [20, 40])
+@pytest.mark.parametrize("world,grid", [(9, (3, 3, None)), (8, (2, 4, None)), (6, (2, 3, None))])
+def test_attention2d_calls_within_the_token_cap(pools, world, grid, max_tokens):
+    """Where a chunk's rows fill the cap (20: one chunk a call) or half of it (40: Attention2D-O's batched passes
+    take 2 of the column's 3 or 4 chunks a call, so a mask's chunks span several calls; Attention2D-NO's groups stay
+    within it), both variants still match the fp64 reference. The uncapped runs above batch every pass's chunks."""
+    for algo in ("attention2d-no", "attention2d-o"):
+        assert all(pools(world).run(_capped_cases, algo, torch.float32, grid, max_tokens, timeout=120))
+
+
 @pytest.mark.parametrize("world,grid", [(4, (2, 2, None)), (4, (4, 1, None)), (6, (2, 3, 2)), (6, (3, 2, 2)),
                                         (8, (2, 4, None))])
 def test_ulysses_ring_explicit_grids(pools, world, grid):

@@ -127,6 +127,57 @@ def test_merge_falls_back_to_torch(merge_launches):
     assert merge_launches == []
 
 
+@pytest.fixture
+def many_launches(monkeypatch):
+    return _spy(monkeypatch, "_merge_many_kernel")
+
+
+@pytest.mark.parametrize("first", [False, True])
+@pytest.mark.parametrize("m", [1, 3])
+def test_merge_many_equals_reference_and_one_at_a_time(many_launches, first, m, monkeypatch):
+    """m partials at once into rows 1: of a longer (o, lse) (Attention2D-O's strict-causal blocks), 2-row programs and
+    d = 96 in one 64-wide step plus a partial one: equal to its PyTorch form and, in fp64, to m single merges; rows no
+    partial saw stay empty, and with first=True what (o, lse) held does not count."""
+    monkeypatch.setattr(M, "_TILE_INTERPRET", 128)
+    monkeypatch.setattr(M, "_TILE", 128)
+    g = torch.Generator().manual_seed(10 * m + first)
+    o, lse, _, _ = _partials(g, 2, 9, 3, 96, torch.float32, empty_rows=(4,))
+    parts = [_partials(g, 2, 8, 3, 96, torch.bfloat16, empty_rows=(3,)) for _ in range(m)]
+    o_blks = torch.stack([p[2] for p in parts])
+    lse_blks = torch.stack([p[3] for p in parts])
+    lse[:, :, 4] = float("-inf")                          # row 4 (row 3 of the slice): empty everywhere
+    o[:, 4] = 0.0
+    want_o, want_lse = o.clone(), lse.clone()
+    M.merge_many_reference_(want_o[:, 1:], want_lse[:, :, 1:], o_blks, lse_blks, first)
+    exact_o, exact_lse = o[:, 1:].double(), lse[:, :, 1:].double()
+    for i in range(m):
+        if first and i == 0:
+            exact_o, exact_lse = o_blks[0].double().clone(), lse_blks[0].double().clone()
+            continue
+        exact_o, exact_lse = _merged_fp64(exact_o, exact_lse, o_blks[i], lse_blks[i])
+    M.merge_many_(o[:, 1:], lse[:, :, 1:], o_blks, lse_blks, first=first)
+    assert len(many_launches) == 1 and many_launches[0][0] > 1
+    torch.testing.assert_close(o, want_o, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(lse, want_lse, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(o[:, 1:].double(), exact_o, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse[:, :, 1:].double(), exact_lse, rtol=1e-6, atol=1e-6)
+    assert torch.isinf(lse[:, :, 4]).all() and (o[:, 4] == 0).all()
+    assert torch.equal(o[:, 0], want_o[:, 0]) and torch.equal(lse[:, :, 0], want_lse[:, :, 0])
+
+
+def test_merge_many_reference_in_fp64_and_fallback(many_launches):
+    """fp64 (the CPU exactness runs) takes the PyTorch form, which is the definition."""
+    g = torch.Generator().manual_seed(2)
+    o, lse, _, _ = (t.double() for t in _partials(g, 1, 5, 2, 8, torch.float32))
+    parts = [_partials(g, 1, 5, 2, 8, torch.float32) for _ in range(2)]
+    o_blks, lse_blks = torch.stack([p[2] for p in parts]).double(), torch.stack([p[3] for p in parts])
+    want_o, want_lse = _merged_fp64(*_merged_fp64(o, lse, o_blks[0], lse_blks[0]), o_blks[1], lse_blks[1])
+    M.merge_many_(o, lse, o_blks, lse_blks)
+    torch.testing.assert_close(o, want_o, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-12, atol=1e-12)
+    assert many_launches == []
+
+
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
 @pytest.mark.parametrize("acc_dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("copy", [False, True])
@@ -241,3 +292,19 @@ def test_gpu_compiled_merge_at_ring_sizes():
         M.merge_(o[:, rows:], lse[:, :, rows:], o_blk, lse_blk)
         torch.testing.assert_close(o, want_o, rtol=2e-6, atol=2e-6)
         torch.testing.assert_close(lse, want_lse, rtol=2e-6, atol=2e-6)
+
+
+@needs_cuda
+def test_gpu_compiled_merge_many_at_block_sizes():
+    """Compiled: 4 partials of 2048 rows x 32 heads x 128 into a row slice, every row against the PyTorch form."""
+    torch.manual_seed(1)
+    o = torch.randn(1, 4096, 32, 128, device="cuda")
+    lse = torch.randn(1, 32, 4096, device="cuda") * 4
+    o_blks = torch.randn(4, 1, 2047, 32, 128, device="cuda", dtype=torch.bfloat16)
+    lse_blks = torch.randn(4, 1, 32, 2047, device="cuda") * 4
+    for first in (False, True):
+        a_o, a_l, b_o, b_l = o.clone(), lse.clone(), o.clone(), lse.clone()
+        M.merge_many_reference_(a_o[:, 1:2048], a_l[:, :, 1:2048], o_blks, lse_blks, first)
+        M.merge_many_(b_o[:, 1:2048], b_l[:, :, 1:2048], o_blks, lse_blks, first)
+        torch.testing.assert_close(b_o, a_o, rtol=2e-6, atol=2e-6)
+        torch.testing.assert_close(b_l, a_l, rtol=2e-6, atol=2e-6)

@@ -15,6 +15,14 @@ in its last pass CmptSctrBwd (Alg. 11) takes the K, V chunks in ring order and s
 dK, dV accumulator down the column while computing the next (the column reduce-scatter); line 9 moves dK,
 dV back to column-major. With one grid column (C = 1) the own pass is the last pass and does both.
 
+Batched passes: every pass after the first has the column's K, V chunks in hand (pass 0 kept them), so its Q block
+meets them in one kernel call per mask (the chunks of residue <= the block's with the diagonal, the rest strictly
+causal) over the batch dimension, at most `batch_cap` chunks a call (comm.MAX_GROUP_TOKENS query rows, as
+Attention2D-NO's grouped calls: chunks of 16k tokens or more keep one call each, as the paper writes it), the
+call's partials merged in one launch (`merge_many_`); so do the backward's middle passes (the last keeps one call a
+chunk, each chunk's dK, dV sent down the column as soon as it is final, Alg. 11). At P = 64 on 8 x 8 (2k tokens a
+rank) a rank's forward makes 22 calls instead of 64 and its backward 28 instead of 64.
+
 Wire precision (docs/design.md): a dK, dV accumulator that is summed into on its way round a column ring of
 more than one hop travels in fp32; round a ring of one hop (R = 2) it is summed once, at its owner, and
 travels in the input dtype. o and dQ accumulators, lse and D always travel in fp32.
@@ -33,9 +41,11 @@ from __future__ import annotations
 
 import torch
 
+from .. import comm
 from ..comm import CommStats, CPGrid, Ring, wire_bytes
-from ..kernels.local_attn import acc_dtype, attention_delta, block_bwd_into, block_fwd_into, surrogate_out
-from ..kernels.merge import merge_
+from ..kernels.local_attn import (acc_dtype, attention_delta, block_bwd, block_bwd_into, block_fwd, block_fwd_into,
+                                  surrogate_out)
+from ..kernels.merge import accumulate_, merge_, merge_many_
 from ._function import CPAttention
 from .attention2d import kv_to_row_major, pair_mask
 
@@ -51,6 +61,86 @@ def _rings(grid: CPGrid, phase: str, stats):
     return row, col
 
 
+# ----------------------------------------------------------------------------------------------- batched passes
+# Every pass after the first has all R K, V chunks of the column in hand (pass 0 kept them), so its Q block meets
+# them in a few batched kernel calls instead of R: the chunks stacked in residue order (`Stacked`), those a block's
+# queries see with the diagonal ("causal": residue <= the Q block's) and the rest ("causal_strict") each one call
+# over the batch dimension (the Q block repeated), at most `cap` chunks a call so that a call's rows stay within
+# comm.MAX_GROUP_TOKENS (as Attention2D-NO's grouped calls): large chunks keep one call a chunk, unchanged. The
+# partials of a call merge into the pass's in one launch (`merge_many_`), its dQ in one sum.
+class Stacked:
+    """The column's K, V chunks [R, b, s, h_kv, d] each, in residue order; `pos[r]`: grid row r's place."""
+
+    def __init__(self, grid: CPGrid, chunks):
+        order = sorted(range(grid.rows), key=lambda r: grid.kv_owner(r, grid.j))
+        self.res = [grid.kv_owner(r, grid.j) for r in order]
+        self.pos = {r: x for x, r in enumerate(order)}
+        self.k = torch.stack([chunks[r][0] for r in order])
+        self.v = torch.stack([chunks[r][1] for r in order])
+
+    def batches(self, q_res: int, causal: bool, cap: int):
+        """(mask, lo, hi): the calls of a Q block of residue q_res, chunks lo..hi-1 of the stack each."""
+        cut = sum(c <= q_res for c in self.res) if causal else len(self.res)
+        out = []
+        for a, z, mask in ((0, cut, "causal" if causal else "none"), (cut, len(self.res), "causal_strict")):
+            out += [(mask, lo, min(z, lo + cap)) for lo in range(a, z, cap)]
+        return out
+
+
+def batch_cap(q) -> int:
+    """Chunks one batched call may take: MAX_GROUP_TOKENS query rows (b s a chunk), at least one."""
+    return max(1, comm.MAX_GROUP_TOKENS // max(1, q.shape[0] * q.shape[1]))
+
+
+def _rows(mask):
+    """The query rows and key rows a batched call of `mask` covers (strict: causal on q[1:], k[:-1])."""
+    return (slice(1, None), slice(None, -1)) if mask == "causal_strict" else (slice(None), slice(None))
+
+
+def _repeat(x, m):
+    """x [b, ...] as [m b, ...]: the Q block (and dO, O, lse) once for each chunk of a batched call."""
+    return x.unsqueeze(0).expand((m,) + tuple(x.shape)).flatten(0, 1)
+
+
+def fwd_batched(o_t, lse_t, q_blk, st: Stacked, q_res, causal, cap, *, scale, backend):
+    """Alg. 6 line 5 and 6 for a pass after the first: (o_t, lse_t) [b, s, h, d] / [b, h, s] set from its calls."""
+    b, first = q_blk.shape[0], True
+    for mask, lo, hi in st.batches(q_res, causal, cap):
+        m, (qs, ks) = hi - lo, _rows(mask)
+        if mask == "causal_strict" and first:       # row 0 sees no key of a strict chunk
+            o_t[:, :1].zero_()
+            lse_t[:, :, :1].fill_(float("-inf"))
+        if q_blk.shape[1] > 1 or mask != "causal_strict":
+            o_b, lse_b = block_fwd(_repeat(q_blk, m)[:, qs], st.k[lo:hi].flatten(0, 1)[:, ks],
+                                   st.v[lo:hi].flatten(0, 1)[:, ks], mask="none" if mask == "none" else "causal",
+                                   scale=scale, backend=backend)
+            merge_many_(o_t[:, qs], lse_t[:, :, qs], o_b.unflatten(0, (m, b)), lse_b.unflatten(0, (m, b)), first=first)
+        first = False
+
+
+def bwd_batched(dq_t, dkv_part, blk, o_j, st: Stacked, q_res, causal, cap, *, scale, backend):
+    """Alg. 10 line 5 for a pass after the first and before the last: dq_t set, dkv_part [R (stack order), 2, b, s,
+    h_kv, d] added into (every chunk already has pass 0's part)."""
+    q_j, do_j, _, lse_j = blk
+    b, acc, first = q_j.shape[0], dq_t.dtype, True
+    for mask, lo, hi in st.batches(q_res, causal, cap):
+        m, (qs, ks) = hi - lo, _rows(mask)
+        if mask == "causal_strict" and first:
+            dq_t[:, :1].zero_()
+        if q_j.shape[1] > 1 or mask != "causal_strict":
+            dq, dk, dv = block_bwd(_repeat(do_j, m)[:, qs], _repeat(q_j, m)[:, qs], st.k[lo:hi].flatten(0, 1)[:, ks],
+                                   st.v[lo:hi].flatten(0, 1)[:, ks], _repeat(o_j, m)[:, qs],
+                                   _repeat(lse_j, m)[:, :, qs], mask="none" if mask == "none" else "causal",
+                                   scale=scale, backend=backend)
+            dq = dq.unflatten(0, (m, b)).sum(0, dtype=acc)
+            (dq_t[:, qs].copy_ if first else dq_t[:, qs].add_)(dq)
+            for x, g in enumerate((dk, dv)):
+                g = g.unflatten(0, (m, b))
+                for u in range(m):                   # 4-dim views: accumulate_'s one vectorised pass each
+                    accumulate_(dkv_part[lo + u, x][:, ks], g[u])
+        first = False
+
+
 def _forward(grid: CPGrid, q, k, v, *, causal, scale, backend, stats=None, packing=None):
     """q [b, s, h, d], k, v [b, s, h_kv, d] (cyclic shards) -> (o in q.dtype, saved (q, row-major kv, o, lse))."""
     R, C, i, j, acc = grid.rows, grid.cols, grid.i, grid.j, acc_dtype(q.dtype)
@@ -60,14 +150,21 @@ def _forward(grid: CPGrid, q, k, v, *, causal, scale, backend, stats=None, packi
     o_ring, _ = _rings(grid, "forward", stats)
     kv_chunks = [None] * R                           # K, V chunk of every grid row, filled by pass 0 (Alg. 5)
     kv_chunks[i] = kv
-    q_blk, own, incoming = q, None, None
+    q_blk, own, incoming, st = q, None, None, None
     lse_shape = (q.shape[0], q.shape[2], q.shape[1])
+    cap = batch_cap(q) if seg is None and R > 1 else 1
     for t in range(C):                               # t = 0: GthrCmpt (Alg. 5); t >= 1: GthrCmptSctr (Alg. 6)
         if t + 1 < C:                                # Alg. 4 line 4 / Alg. 6 line 4: pass the Q block on
             q_next = q_ring.send_recv((q_blk,))
         q_res = grid.row_ranks[(j - t) % C]          # Q block in hand: column (j - t)'s, tokens = q_res mod P
         o_t = lse_t = None
-        for u in range(R):
+        if t > 0 and cap > 1:                        # every chunk in hand: batched calls (module comment above)
+            if st is None:
+                st, kv_chunks = Stacked(grid, kv_chunks), None          # the stack replaces the received chunks
+            o_t = torch.empty(q_blk.shape, dtype=acc, device=q.device)
+            lse_t = torch.empty(lse_shape, dtype=acc, device=q.device)
+            fwd_batched(o_t, lse_t, q_blk, st, q_res, causal, cap, scale=scale, backend=backend)
+        for u in (range(R) if o_t is None else ()):
             kv_row = (i - u) % R                     # K, V chunk in hand: grid row (i - u)'s
             if t == 0 and u + 1 < R:                 # Alg. 5 line 4: pass it up the column while computing
                 kv_next = kv_ring.send_recv((kv_chunks[kv_row],))
@@ -108,9 +205,12 @@ def _backward(grid: CPGrid, do, q, kv, o, lse, *, causal, scale, backend, stats=
     blk = (q, do, attention_delta(do, o), lse)                                 # Alg. 8 lines 2-4: D, then the ring
     kv_chunks = [None] * R
     kv_chunks[i] = kv
-    # dK, dV of every chunk here, each started by pass 0's result for it (no zero-fill)
+    # dK, dV of every chunk here, each started by pass 0's result for it (no zero-fill), in residue order (Stacked)
     dkv_part = torch.empty((R,) + tuple(kv.shape), dtype=acc, device=q.device)
-    dq_in = dkv_in = None
+    order = sorted(range(R), key=lambda r: grid.kv_owner(r, j))
+    pos = {r: x for x, r in enumerate(order)}
+    cap = batch_cap(q) if seg is None and R > 1 else 1
+    dq_in = dkv_in = st = None
     for t in range(C):                               # t = 0: GthrCmptBwd (Alg. 9); t >= 1: GthrCmptSctrBwd (10)
         if t + 1 < C:                                # pass (Q, dO, D, lse) on round the row
             nxt = q_ring.send_recv(blk)
@@ -123,6 +223,13 @@ def _backward(grid: CPGrid, do, q, kv, o, lse, *, causal, scale, backend, stats=
         # i-1, i-2, ... and their own row last, so that every chunk's dK, dV is final just when its turn in
         # the column reduce-scatter comes (Alg. 11).
         hops = list(range(R)) if t == 0 else list(range(1, R)) + [0]
+        if 0 < t < C - 1 and cap > 1:                # a middle pass, every chunk in hand: batched calls
+            if st is None:
+                st = Stacked(grid, kv_chunks)        # the stack replaces the received chunks (the last pass reads it)
+                kv_chunks = [(st.k[pos[r]], st.v[pos[r]]) for r in range(R)]
+            dq_t = torch.empty(q.shape, dtype=acc, device=q.device)
+            bwd_batched(dq_t, dkv_part, blk, o_j, st, q_res, causal, cap, scale=scale, backend=backend)
+            hops = []
         for u in hops:
             kv_row = (i - u) % R                     # K, V chunk of grid row (i - u)
             if t == 0 and u + 1 < R:                 # Alg. 9 line 4: pass it up the column while computing
@@ -131,14 +238,14 @@ def _backward(grid: CPGrid, do, q, kv, o, lse, *, causal, scale, backend, stats=
             first_q = dq_t is None
             if first_q:
                 dq_t = torch.empty(q.shape, dtype=acc, device=q.device)
-            block_bwd_into(dq_t, dkv_part[kv_row, 0], dkv_part[kv_row, 1], do_j, q_j, kv_chunks[kv_row][0],
+            block_bwd_into(dq_t, dkv_part[pos[kv_row], 0], dkv_part[pos[kv_row], 1], do_j, q_j, kv_chunks[kv_row][0],
                            kv_chunks[kv_row][1], o_j, lse_j, first_q=first_q, first_kv=t == 0, mask=mask,
                            scale=scale, backend=backend, cu_seqlens_q=seg)   # pass 0 meets every chunk first
             if last and u > 0:                       # Alg. 11 line 14: chunk kv_row is final here; pass it on
                 if dkv_in is not None:
                     dkv_ring.wait()
-                    dkv_part[kv_row].add_(dkv_in[0])
-                dkv_in = dkv_ring.send_recv((dkv_part[kv_row].to(_wire(q, acc, R - 1)),))
+                    dkv_part[pos[kv_row]].add_(dkv_in[0])
+                dkv_in = dkv_ring.send_recv((dkv_part[pos[kv_row]].to(_wire(q, acc, R - 1)),))
             if t == 0 and u + 1 < R:                 # the next hop's chunk (grid row i - u - 1) has arrived
                 kv_ring.wait()
                 kv_chunks[(kv_row - 1) % R] = kv_next[0]
@@ -155,7 +262,7 @@ def _backward(grid: CPGrid, do, q, kv, o, lse, *, causal, scale, backend, stats=
     if C > 1:                                        # our dQ accumulator came home round the row
         dq_ring.wait()
         dq_own.add_(dq_in[0])
-    dkv = dkv_part[i]
+    dkv = dkv_part[pos[i]]
     if R > 1:                                        # our chunk's dK, dV came home round the column
         dkv_ring.wait()
         dkv = dkv + dkv_in[0]

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 import megatron_cp_plugin as mcp
 from megatron_cp_plugin.algos import registry
+from megatron_cp_plugin import comm
 from megatron_cp_plugin.comm import group_chunks
 from megatron_cp_plugin.bench.anchors import Unavailable, builders
 from megatron_cp_plugin.bench._common import (FLOP_FORMULA, GiB, attention_flop, gather_max, init_distributed,
@@ -83,7 +84,8 @@ def attention_need(algo: str, S: int, P: int, *, h: int, hk: int, d: int, elem: 
                  or the dK, dV one (4RK, or 2RK + 2Ka)
       attention2d-o   the column's K, V chunks (2RK), Q in flight, fp32 o accumulators own, in hand, arriving,
                  sent (Qa + L each, C = 1: one), Q, dO, D, lse in hand and in flight, dQ accumulators (C = 1:
-                 Qa, 2: 3Qa, else 4Qa), dK, dV partials (2R Ka) and the travelling one (R = 2: 4K, else 4Ka)
+                 Qa, 2: 3Qa, else 4Qa), dK, dV partials (2R Ka) and the travelling one (R = 2: 4K, else 4Ka);
+                 its batched passes' stack (2RK) and calls (m (2Q + L) forward, m (4Q + 2K + L) + Qa backward)
       torch-cp-* allgather's plus its transposed copies of the full q, k, v, dO (2P (Q + K)) and 2P Ka more
       single     o, lse, dq, dk, dv and ws over the whole sequence
       packed     + the reordered q, k, v and o copies and their gradients (4Q + 4K)
@@ -145,10 +147,15 @@ def attention_need(algo: str, S: int, P: int, *, h: int, hk: int, d: int, elem: 
         no = 1 if C == 1 else 3 if C == 2 else 4                # o accumulators: own, in hand, arriving, sent
         nq = 1 if C == 1 else 3 if C == 2 else 4                # dQ accumulators the same
         travel = 0 if R == 1 else 4 * K if R == 2 else 4 * Ka   # dK, dV arriving and sent (R = 2: in the input dtype)
+        # batched passes (attention2d_o.batch_cap chunks a call, > 1 only for small chunks): the stacked column,
+        # a call's repeated Q block, output and lse, and backward its repeated Q, dO, O, lse and gradients
+        m = min(R, max(1, comm.MAX_GROUP_TOKENS // max(1, b * s))) if R > 1 and C > 1 else 1
+        stack = 2 * R * K if m > 1 else 0
+        batched = stack + m * (4 * Q + 2 * K + L) + Qa if m > 1 and C > 2 else 0
         saved = 2 * K + Q + L
-        F = 2 * R * K + qn * Q + no * (Qa + L) + 2 * Q + Qa
+        F = 2 * R * K + qn * Q + no * (Qa + L) + Q + max(Q + Qa, stack + m * (2 * Q + L))
         B = (qn * (2 * Q + 2 * L) + L + 2 * (R - 1) * K + 2 * R * Ka + nq * Qa + travel
-             + max(Q + max(3 * Qa, blk + G), 2 * Ka + 4 * K + Q))
+             + max(Q + max(3 * Qa, blk + G), 2 * Ka + 4 * K + Q, batched))
     else:
         raise ValueError(f"attention_need: no memory model for {algo!r}")
     return MARGIN * (base + max(F, saved + B))

@@ -37,6 +37,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .. import comm
 from ..comm import group_chunks
 
 FSDP_MIN_UNIT = 1_000_000_000
@@ -200,16 +201,23 @@ def attention2d_o(sh: Shape) -> Terms:
     in hand, C > 2: qn Q), the fp32 o accumulators own, in hand, arriving, sent (no (Qa + L), C = 1: one), the
     kernel's output and cast (Q + Qa). backward: (Q, dO, D, lse) in flight (qn (2Q + 2L)), D (L), the other rows'
     K, V (2(R - 1)K), dK, dV partials (2R Ka), the dQ accumulators (nq Qa), the travelling dK, dV (R = 2: 4K in
-    the input dtype, else 4Ka), then the block loop (Q + max(3Qa, blk + G)) or the results (2Ka + 4K + Q)."""
+    the input dtype, else 4Ka), then the block loop (Q + max(3Qa, blk + G)) or the results (2Ka + 4K + Q).
+    Batched passes (m = the chunks a call takes, `attention2d_o.batch_cap`; m > 1 only where chunks are small): the
+    column's chunks stacked beside the received ones while they are copied (2RK), a call's repeated Q block and its
+    output and lse (m (2Q + L)) forward; backward its repeated Q, dO, O and lse and its gradients (m (4Q + 2K + L))
+    and the dQ sum (Qa)."""
     R, C = sh.grid
     Q, K, L, Qa, Ka = sh.Q, sh.K, sh.L, sh.Qa, sh.Ka
     qn = 0 if C == 1 else 1 if C == 2 else 2
     no = 1 if C == 1 else 3 if C == 2 else 4
     nq = 1 if C == 1 else 3 if C == 2 else 4
+    m = min(R, max(1, comm.MAX_GROUP_TOKENS // max(1, sh.tokens))) if R > 1 and C > 1 else 1
+    stack = 2 * R * K if m > 1 else 0
     travel = 0 if R == 1 else 4 * K if R == 2 else 4 * Ka
-    fwd = 2 * R * K + qn * Q + no * (Qa + L) + Q + Qa
+    fwd = 2 * R * K + qn * Q + no * (Qa + L) + max(Q + Qa, stack + m * (2 * Q + L))
+    batched = stack + m * (4 * Q + 2 * K + L) + Qa if m > 1 and C > 2 else 0
     bwd = (qn * (2 * Q + 2 * L) + L + 2 * (R - 1) * K + 2 * R * Ka + nq * Qa + travel
-           + max(Q + max(3 * Qa, sh.blk + sh.G), 2 * Ka + 4 * K + Q))
+           + max(Q + max(3 * Qa, sh.blk + sh.G), 2 * Ka + 4 * K + Q, batched))
     return Terms(attention2d_no(sh).saved, fwd, bwd)
 
 

@@ -8,6 +8,7 @@ A row that saw no key has lse = -inf and o = 0; the merge keeps it finite.
 
     merge_(o, lse, o_blk, lse_blk)     # in place: (o, lse) <- merge((o, lse), (o_blk, lse_blk))
     merge_reference_(...)              # the same in PyTorch: the definition the kernel is tested against
+    merge_many_(o, lse, o_blks, lse_blks, first)   # m partials [m, b, s, h, d] at once (first: (o, lse) empty)
     accumulate_(acc, x, copy=False)    # in place: acc <- acc + x (copy=True: acc <- x), x cast to acc's dtype
     row_sum(blocks, shape, dtype)      # a new accumulator: the sum of row blocks, 0 on rows none covers
 
@@ -98,6 +99,44 @@ def merge_reference_(o: torch.Tensor, lse: torch.Tensor, o_blk: torch.Tensor, ls
     w = torch.sub(lse_blk, lse).sigmoid_().nan_to_num_(0.0)            # [b, h, s]
     torch.logaddexp(lse, lse_blk, out=lse)
     o.lerp_(o_blk.to(o.dtype), w.transpose(1, 2).unsqueeze(-1))
+
+
+def merge_many_(o: torch.Tensor, lse: torch.Tensor, o_blks: torch.Tensor, lse_blks: torch.Tensor,
+                first: bool = False) -> None:
+    """In place: (o, lse) <- the merge of (o, lse) (left out with first=True: it holds nothing yet) and the m partials
+    o_blks [m, b, s, h, d] (any float dtype), lse_blks [m, b, h, s] fp32 (views allowed): one Triton launch for an
+    fp32 o where Triton runs (each program owns whole rows, as merge_'s), else `merge_many_reference_`. Rows that saw
+    no key anywhere: o 0, lse -inf. Attention2D-O merges a Q block's partials over the K, V chunks of one batched
+    kernel call with it (algos/attention2d_o.py)."""
+    m = o_blks.shape[0]
+    if not (o.dim() == 4 and o_blks.dim() == 5 and lse_blks.dim() == 4 and o.dtype == torch.float32
+            and lse.dtype == torch.float32 and tuple(o_blks.shape[1:]) == tuple(o.shape)
+            and tuple(lse_blks.shape[1:]) == tuple(lse.shape) and lse_blks.shape[0] == m
+            and tuple(lse.shape) == (o.shape[0], o.shape[2], o.shape[1]) and o_blks.dtype in _FLOAT[:3]
+            and lse_blks.dtype == torch.float32 and o.shape[0] * o.shape[1] * o.shape[2] < 2**31
+            and _writable(o) and _writable(lse) and _triton_ok(o, lse, o_blks, lse_blks)):
+        merge_many_reference_(o, lse, o_blks, lse_blks, first)
+        return
+    b, s, h, d = o.shape
+    rows = b * s * h
+    if rows == 0 or d == 0:
+        return
+    block_d, block_r, warps = _tile(d)
+    block_r = min(block_r, triton.next_power_of_2(rows))
+    _launch.launch(_merge_many_kernel, (triton.cdiv(rows, block_r),), o, lse, o_blks, lse_blks, m, s, h, d, rows,
+                   *o.stride(), *lse.stride(), *o_blks.stride(), *lse_blks.stride(),
+                   FIRST=first, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps)
+
+
+def merge_many_reference_(o, lse, o_blks, lse_blks, first: bool = False) -> None:
+    """`merge_many_` in PyTorch (any dtypes): lse' = logsumexp over the partials (and (o, lse) unless first), o' = the
+    sum of each partial's o weighted by exp(its lse - lse'); the definition the kernel is tested against."""
+    ls = lse_blks.to(lse.dtype) if first else torch.cat([lse.unsqueeze(0), lse_blks.to(lse.dtype)])
+    os_ = o_blks.to(o.dtype) if first else torch.cat([o.unsqueeze(0), o_blks.to(o.dtype)])
+    new = torch.logsumexp(ls, dim=0)                                       # -inf where every part is -inf
+    w = torch.exp(ls - finite_lse(new)).transpose(2, 3).unsqueeze(-1)      # [m(+1), b, s, h, 1]; 0 on empty rows
+    o.copy_((w * os_).sum(0))
+    lse.copy_(new)
 
 
 def _writable(t: torch.Tensor) -> bool:
@@ -226,3 +265,49 @@ if triton is not None:
             diff = y - x
             tl.store(o_ptr, tl.where(w2 < 0.5, x + w2 * diff, y - diff * (1.0 - w2)), mask=m)
         tl.store(l_ptr, lse, mask=ok)
+
+    @triton.jit
+    def _merge_many_kernel(O, L, OB, LB, M, S, H, D, ROWS, so0, so1, so2, so3, sl0, sl1, sl2,
+                           sb0, sb1, sb2, sb3, sb4, sm0, sm1, sm2, sm3,
+                           FIRST: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+        # Program p -> rows p BLOCK_R .. of the (b, s, h) rows, every d and every partial of each (merge_'s ownership).
+        pid = tl.program_id(0)
+        rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+        ok = rows < ROWS
+        ib, isq, ih = (rows // (S * H)).to(tl.int64), ((rows // H) % S).to(tl.int64), (rows % H).to(tl.int64)
+        l_ptr = L + ib * sl0 + ih * sl1 + isq * sl2
+        lb_row = ib * sm1 + ih * sm2 + isq * sm3
+        # Pass 1 over the partials' lse: the row maximum mx and the sum of exp(l - mx); lse' = mx + log(sum).
+        if FIRST:
+            mx = tl.full((BLOCK_R,), float("-inf"), tl.float32)
+        else:
+            mx = tl.load(l_ptr, mask=ok, other=float("-inf"))
+        for i in range(0, M):
+            mx = tl.maximum(mx, tl.load(LB + i * sm0 + lb_row, mask=ok, other=float("-inf")))
+        fin = tl.where(mx == float("-inf"), 0.0, mx)                  # rows no partial saw a key: weights 0
+        if FIRST:
+            tot = tl.zeros((BLOCK_R,), tl.float32)
+        else:
+            tot = tl.exp(tl.load(l_ptr, mask=ok, other=float("-inf")) - fin)
+        for i in range(0, M):
+            tot += tl.exp(tl.load(LB + i * sm0 + lb_row, mask=ok, other=float("-inf")) - fin)
+        inv = tl.where(tot > 0, 1.0 / tot, 0.0)
+        new = tl.where(tot > 0, fin + tl.log(tot), float("-inf"))
+        o_row = (ib * so0 + isq * so1 + ih * so2)[:, None]
+        b_row = (ib * sb1 + isq * sb2 + ih * sb3)[:, None]
+        # Pass 2 per d block: o' = sum of the parts' o, each weighted exp(l - lse').
+        for d0 in range(0, D, BLOCK_D):
+            dims = d0 + tl.arange(0, BLOCK_D)
+            msk = ok[:, None] & (dims < D)[None, :]
+            o_ptr = O + o_row + dims[None, :] * so3
+            if FIRST:
+                acc = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
+            else:
+                w0 = tl.exp(tl.load(l_ptr, mask=ok, other=float("-inf")) - fin) * inv
+                acc = tl.load(o_ptr, mask=msk, other=0.0) * w0[:, None]
+            for i in range(0, M):
+                wi = tl.exp(tl.load(LB + i * sm0 + lb_row, mask=ok, other=float("-inf")) - fin) * inv
+                x = tl.load(OB + i * sb0 + b_row + dims[None, :] * sb4, mask=msk, other=0.0).to(tl.float32)
+                acc += x * wi[:, None]
+            tl.store(o_ptr, acc, mask=msk)
+        tl.store(l_ptr, new, mask=ok)
