@@ -70,22 +70,10 @@ def merge_(o: torch.Tensor, lse: torch.Tensor, o_blk: torch.Tensor, lse_blk: tor
     o_blk [b, s, h, d] any float dtype; lse_blk [b, h, s] fp32. One Triton launch for an fp32 o where Triton
     runs (`_triton_ok`), else `merge_reference_`; the two agree to fp32 rounding (tests/test_merge.py).
     """
-    if not (o.dim() == 4 and lse.dim() == 3 and o.dtype == torch.float32 and lse.dtype == torch.float32
-            and o_blk.shape == o.shape and lse_blk.shape == lse.shape and o_blk.dtype in _FLOAT[:3]
-            and lse_blk.dtype == torch.float32 and tuple(lse.shape) == (o.shape[0], o.shape[2], o.shape[1])
-            and o.shape[0] * o.shape[1] * o.shape[2] < 2**31 and _writable(o) and _writable(lse)
-            and _triton_ok(o, lse, o_blk, lse_blk)):
+    if not (o_blk.dim() == 4 and lse_blk.dim() == 3 and _merge_fits(o, lse, o_blk, lse_blk)):
         merge_reference_(o, lse, o_blk, lse_blk)
         return
-    b, s, h, d = o.shape
-    rows = b * s * h
-    if rows == 0 or d == 0:
-        return
-    block_d, block_r, warps = _tile(d)
-    block_r = min(block_r, triton.next_power_of_2(rows))
-    _launch.launch(_merge_kernel, (triton.cdiv(rows, block_r),), o, lse, o_blk, lse_blk, s, h, d, rows,
-                   *o.stride(), *lse.stride(), *o_blk.stride(), *lse_blk.stride(),
-                   BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps)
+    _launch_rows(_merge_kernel, o, lse, o_blk, lse_blk)
 
 
 def merge_reference_(o: torch.Tensor, lse: torch.Tensor, o_blk: torch.Tensor, lse_blk: torch.Tensor) -> None:
@@ -108,24 +96,34 @@ def merge_many_(o: torch.Tensor, lse: torch.Tensor, o_blks: torch.Tensor, lse_bl
     fp32 o where Triton runs (each program owns whole rows, as merge_'s), else `merge_many_reference_`. Rows that saw
     no key anywhere: o 0, lse -inf. Attention2D-O merges a Q block's partials over the K, V chunks of one batched
     kernel call with it (algos/attention2d_o.py)."""
-    m = o_blks.shape[0]
-    if not (o.dim() == 4 and o_blks.dim() == 5 and lse_blks.dim() == 4 and o.dtype == torch.float32
-            and lse.dtype == torch.float32 and tuple(o_blks.shape[1:]) == tuple(o.shape)
-            and tuple(lse_blks.shape[1:]) == tuple(lse.shape) and lse_blks.shape[0] == m
-            and tuple(lse.shape) == (o.shape[0], o.shape[2], o.shape[1]) and o_blks.dtype in _FLOAT[:3]
-            and lse_blks.dtype == torch.float32 and o.shape[0] * o.shape[1] * o.shape[2] < 2**31
-            and _writable(o) and _writable(lse) and _triton_ok(o, lse, o_blks, lse_blks)):
+    if not (o_blks.dim() == 5 and lse_blks.dim() == 4 and o_blks.shape[0] == lse_blks.shape[0]
+            and _merge_fits(o, lse, o_blks, lse_blks)):
         merge_many_reference_(o, lse, o_blks, lse_blks, first)
         return
+    _launch_rows(_merge_many_kernel, o, lse, o_blks, lse_blks, m=o_blks.shape[0], FIRST=first)
+
+
+def _merge_fits(o, lse, blk, lse_blk) -> bool:
+    """Whether the merge kernels take these: fp32 o [b, s, h, d] and lse [b, h, s] (writable views), the partials'
+    trailing dims theirs (o's in fp16 / bf16 / fp32, lse's fp32), Triton able to run (`_triton_ok`)."""
+    return (o.dim() == 4 and lse.dim() == 3 and o.dtype == lse.dtype == lse_blk.dtype == torch.float32
+            and blk.dtype in _FLOAT[:3] and tuple(blk.shape[-4:]) == tuple(o.shape)
+            and tuple(lse_blk.shape[-3:]) == tuple(lse.shape) == (o.shape[0], o.shape[2], o.shape[1])
+            and o.shape[0] * o.shape[1] * o.shape[2] < 2**31 and _writable(o) and _writable(lse)
+            and _triton_ok(o, lse, blk, lse_blk))
+
+
+def _launch_rows(kernel, o, lse, blk, lse_blk, m=None, **const) -> None:
+    """One launch of a merge kernel over o's (b, s, h) rows, whole rows a program (_tile's rows of d)."""
     b, s, h, d = o.shape
     rows = b * s * h
     if rows == 0 or d == 0:
         return
     block_d, block_r, warps = _tile(d)
     block_r = min(block_r, triton.next_power_of_2(rows))
-    _launch.launch(_merge_many_kernel, (triton.cdiv(rows, block_r),), o, lse, o_blks, lse_blks, m, s, h, d, rows,
-                   *o.stride(), *lse.stride(), *o_blks.stride(), *lse_blks.stride(),
-                   FIRST=first, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps)
+    sizes = (s, h, d, rows) if m is None else (m, s, h, d, rows)
+    _launch.launch(kernel, (triton.cdiv(rows, block_r),), o, lse, blk, lse_blk, *sizes, *o.stride(), *lse.stride(),
+                   *blk.stride(), *lse_blk.stride(), BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps, **const)
 
 
 def merge_many_reference_(o, lse, o_blks, lse_blks, first: bool = False) -> None:
