@@ -21,7 +21,7 @@ causal) over the batch dimension, at most `batch_cap` chunks a call (comm.MAX_GR
 Attention2D-NO's grouped calls: chunks of 16k tokens or more keep one call each, as the paper writes it), the
 call's partials merged in one launch (`merge_many_`); so do the backward's middle passes (the last keeps one call a
 chunk, each chunk's dK, dV sent down the column as soon as it is final, Alg. 11). At P = 64 on 8 x 8 (2k tokens a
-rank) a rank's forward makes 22 calls instead of 64 and its backward 28 instead of 64.
+rank) a rank's forward makes at most 22 calls instead of 64 and its backward at most 28 instead of 64.
 
 Wire precision (docs/design.md): a dK, dV accumulator that is summed into on its way round a column ring of
 more than one hop travels in fp32; round a ring of one hop (R = 2) it is summed once, at its owner, and
