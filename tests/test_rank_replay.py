@@ -71,6 +71,7 @@ def test_rank_subcommand_reports_every_algorithm(tmp_path, capsys, monkeypatch):
             assert {(algo, "2x2", hk), (algo, "4x1", hk)} <= seen
     for r in rows:
         assert r["fwd_ms"] > 0 and r["bwd_ms"] > 0 and r["x_ideal"] > 0 and 0 <= r["rank"] < 4
+        assert r["ideal_drift"] > 0                           # the ideal re-timed after the rows of its length
         # the launches of the local work: every (Q, K) block pair of the rank is one attention call, fwd and bwd;
         # attention2d-no on the square grid gathers Q, K, V chunks that interleave into one triangle (its one call);
         # attention2d-o on 2 x 2 batches its second forward pass's 2 chunks: one call or two, by their masks

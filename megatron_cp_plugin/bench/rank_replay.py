@@ -24,6 +24,8 @@ at the first length of each (algo, grid, P, heads) and the slowest is timed (--r
   kernels, memcpy    CUDA only: device kernels and memcpy/memset per fwd+bwd (torch.profiler); memcpy includes
                      the replayed receives
   copy_MB            bytes the replayed receives copy per fwd+bwd (what the wire would have written)
+  ideal_drift        the ideal re-timed after the rows of its length and heads, over its first time (above 1: the
+                     device ran slower by then, e.g. at its power cap; x_ideal is against the first time)
   x_model            x_ideal over the cost model's own x_ideal for that rank (its compute-only prediction over
                      the ideal at its kernel rates): the factor cost/compute.py applies; --fit-out PATH writes
                      their means per (algo, grid, P) as the cost model's fit (megatron_cp_plugin/configs/
@@ -465,6 +467,17 @@ def main(argv=None):
                           flush=True)
                     write_report(rows, a.out, header, plot={"kind": "rank"}, draw=False)  # survives a kill
                 del shards
+            # The ideal again after this length's rows (unless out of time): long rows run on a device that has
+            # warmed up and may sit at its power cap (an H100 at 700 W: SM clock 1350-1590 MHz against 1980,
+            # 2026-11-26), so a late row's x_ideal can carry the device's slowdown; ideal_drift says how much.
+            timed = [r for r in rows if r["S"] == S and r["h/h_kv"] == f"{h}/{hk}" and "ideal_ms" in r]
+            late = a.deadline_s is not None and time.perf_counter() - start > a.deadline_s
+            if timed and single[S1, hk] and not late:
+                drift = single_device_ms(S1, h, hk, d, dev, dtype, a.iters, a.budget_s) / single[S1, hk]
+                for r in timed:
+                    r["ideal_drift"] = drift
+                print(f"rank_replay: S={S} h/h_kv={h}/{hk}: the ideal at S={S1} re-timed after the rows: x{drift:.3f} "
+                      "of its first time", flush=True)
     print(write_report(rows, a.out, header, plot={"kind": "rank"}))     # bench/plots.py's rank_figure
     if a.fit_out:
         import sys
