@@ -84,18 +84,14 @@ def _backward(group, do, q, k, v, o, lse, *, causal, scale, backend, stats=None,
             # A 16-bit wire and one block (every unpacked step): the hop's sum formed in fp32 and rounded to the
             # wire once, as the fp32 accumulator below would, but in one add into the received buffer (6 bytes an
             # element against 44 for cast, add, cast back; ring-te at P = 16 was 2.6 ms a rank behind ring).
-            ks, dk_b, dv_b = dkv_blocks[0]
+            (ks, dk_b, dv_b), dkv_blocks = dkv_blocks[0], []
             if dkv_in is None:                                  # step 1: nothing travelled into block src yet
-                dkv_in = (torch.zeros_like(k, dtype=wire), torch.zeros_like(v, dtype=wire))
+                dk_acc, dv_acc = torch.zeros_like(k, dtype=wire), torch.zeros_like(v, dtype=wire)
             else:
                 ring_dkv.wait()
-            dkv_in[0][:, ks] += dk_b
-            dkv_in[1][:, ks] += dv_b
-            dkv_in = ring_dkv.send_recv(dkv_in)
-            if step + 1 < P:
-                ring_kv.wait()
-                kv = nxt
-            continue
+                dk_acc, dv_acc = dkv_in
+            dk_acc[:, ks] += dk_b                               # sent below as they are (.to(wire): no copy)
+            dv_acc[:, ks] += dv_b
         elif step == 0 or dkv_in is None:
             # Packed own block in pieces; or the accumulator of block src, which holds the contributions of
             # ranks src+1 .. r-1: none at step 1.
