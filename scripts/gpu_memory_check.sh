@@ -4,9 +4,11 @@
 # 32k and 64k tokens, CP = 2. Each step is one `megatron-cp-bench model` run over every algorithm (3 iterations,
 # no CP = 1 run, --force: the planner under test must not decide what runs; megatron-cp-pretrain's own check is
 # off with it), whose table has plan_GiB, peak_mem_GB (GiB: torch.cuda.max_memory_allocated) and plan_vs_peak.
-# Everything stops by $BUDGET s (default 560: one device call); STEPS picks steps (default: all, in this order).
+# Everything stops by $BUDGET s (default 560: one device call); STEPS picks steps (default: all, in this order),
+# ALGOS the algorithms of each step (default: every one; a 2.7B run takes ~30-40 s on 2 GPUs, so all seven
+# algorithms of one step fill about half a call).
 #   OUT=/some/dir bash scripts/gpu_memory_check.sh
-#   STEPS="b2.7_64k m13_32k" OUT=/some/dir bash scripts/gpu_memory_check.sh
+#   STEPS="b2.7_64k m13_32k" ALGOS="ring allgather attention2d-o" OUT=/some/dir bash scripts/gpu_memory_check.sh
 # Files under $OUT: <step>.log, <step>.md (the bench table), memory.md (every step's rows, plan vs peak),
 # summary.txt. Exits non-zero if a step fails or is skipped for time.
 set -u
@@ -33,7 +35,7 @@ for s in ${STEPS:-$ORDER}; do
   [ -n "${RUN[$s]:-}" ] || { echo "$s: unknown step (one of $ORDER)" | tee -a "$OUT/summary.txt"; status=1; continue; }
   # shellcheck disable=SC2086
   step "$s" 300 python3 -m megatron_cp_plugin.bench model --nproc 2 --no-cp1 --force --train-iters 3 \
-    --out "$OUT/$s" ${RUN[$s]}
+    ${ALGOS:+--algos $ALGOS} --out "$OUT/$s" ${RUN[$s]}
   { echo "## $s: ${RUN[$s]}"; grep -E "^\| (run|---|ring|burst|attention2d|allgather|ulysses)" "$OUT/$s.md"; echo; } \
     >> "$OUT/memory.md" 2>/dev/null
 done
