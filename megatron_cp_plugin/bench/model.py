@@ -26,6 +26,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -53,16 +54,17 @@ def _run(nproc: int, flags: list[str], out_json: str) -> dict:
     print("+", " ".join(cmd), flush=True)
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode or not os.path.exists(out_json):
-        tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
-        print("\n".join(tail), flush=True)
-        return {"status": "failed", "error": tail[-1] if tail else "no output"}
+        text = (proc.stdout + proc.stderr).strip()
+        print("\n".join(text.splitlines()[-15:]), flush=True)
+        return {"status": "failed", "error": failure_reason(text, out_json)}
     with open(out_json) as f:
         return json.load(f)
 
 
-def plan_need(flags: list[str], nproc: int, headroom_gib: float) -> tuple[float, float, str] | None:
+def plan_need(flags: list[str], nproc: int, headroom_gib: float) -> tuple[float, float, str, float] | None:
     """(bytes the run of megatron-cp-pretrain `flags` on `nproc` ranks needs on one GPU, or on the host for CPU
-    ranks; the planner's peak of one rank; its breakdown in one line), or None where the planner cannot say."""
+    ranks; the planner's peak of one rank; its breakdown in one line; its static bytes: weights, gradients and
+    optimizer state), or None where the planner cannot say."""
     from . import launch_plan, plan
     from .. import devices
     from ..training.config import parse_args
@@ -86,7 +88,26 @@ def plan_need(flags: list[str], nproc: int, headroom_gib: float) -> tuple[float,
     else:
         need = nproc * est.total                                     # CPU ranks share the host's memory
         line = f"plan ({lay.name}, CP = {nproc}): {parts} = {est.total / GiB:.1f} GiB per rank, {nproc} ranks"
-    return need, est.total, line
+    return need, est.total, line, est.weights + est.grads + est.optimizer
+
+
+def failure_reason(text: str, out_json: str) -> str:
+    """One line for a run that failed: the rank's own error from its record where it wrote one, else the last
+    exception line of its output (not torchrun's closing banner); a CUDA OOM as what was allocated and asked."""
+    err = None
+    try:
+        with open(out_json) as f:
+            err = json.load(f).get("error")
+    except (OSError, ValueError):
+        pass
+    if not err:
+        lines = [ln.strip() for ln in text.splitlines() if re.search(r"\b\w*(Error|Exception)\b:", ln)]
+        err = lines[-1] if lines else next((ln.strip() for ln in reversed(text.splitlines())
+                                            if ln.strip() and not set(ln.strip()) <= set("=-")), "no output")
+    oom = re.search(r"Tried to allocate ([\d.]+ [GM]iB).*?([\d.]+ GiB) is allocated by PyTorch", err)
+    if oom:
+        return f"CUDA out of memory: {oom.group(2)} allocated, asked {oom.group(1)} more"
+    return err
 
 
 def main(argv=None):
@@ -109,13 +130,14 @@ def main(argv=None):
         flags += ["--no-memory-check"]
     peak = matmul_peak_tflops()
     dev = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    planned = {}
+    planned, planned_static = {}, {}
 
     def launch(name, nproc, run_flags, out_json):
         """_run, unless the planner says the run does not fit (then a not-run record, nothing started)."""
         plan = plan_need(run_flags, nproc, a.plan_headroom if dev.type == "cuda" else 0.0)
         if plan is not None:
             planned[name] = plan[1] / GiB
+            planned_static[name] = plan[3] / GiB
             why = None if a.force else not_fitting(plan[0], dev)
             if why:
                 print(f"model: {name}: {why}; {plan[2]}", flush=True)
@@ -135,7 +157,8 @@ def main(argv=None):
             rows.append({"run": name, "plan": r["plan"], "not_run": r["not_run"]})
             continue
         if r.get("status") != "ok":
-            rows.append({"run": f"{name} (failed: {str(r.get('error'))[:120]})"})
+            rows.append({"run": f"{name} (failed: {str(r.get('error'))[:120]})",
+                         "plan_GiB": planned.get(name, float("nan"))})
             continue
         losses = r.get("losses") or []
         tf = r.get("tflops_per_gpu") or float("nan")
@@ -148,6 +171,9 @@ def main(argv=None):
         got = r.get("peak_mem_gb")                    # GiB (torch.cuda.max_memory_allocated / 2^30)
         if got and name in planned:                   # issue 35: the planner within 3 % of the measured peak
             row["plan_vs_peak"] = planned[name] / got - 1
+        static = (r.get("mem_after_step_gib") or [None])[-1]
+        if static and name in planned_static:         # between steps: what the weights, grads, optimizer hold
+            row["static_GiB"], row["plan_static_GiB"] = static, planned_static[name]
         if ref and name != "CP=1":                    # only a CP = 1 run that finished gives a difference
             row["max_loss_diff_vs_cp1"] = max((abs(x - y) for x, y in zip(losses, ref)), default=float("nan"))
         rows.append(row)

@@ -73,6 +73,8 @@ def train(args) -> list[float]:
             result["iterations"].append(it)
             result["losses"].append(loss)
             result["step_times_s"].append(time.perf_counter() - t_step)
+            if gpu:                                    # between steps: weights, gradients, optimizer state (issue 35)
+                result["mem_after_step_gib"].append(torch.cuda.memory_allocated(device) / 2**30)
         if it % args.log_interval == 0:
             if gpu:
                 torch.cuda.synchronize()

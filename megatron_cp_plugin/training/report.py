@@ -77,7 +77,7 @@ def start_record(args, world: int, cp_cfg, device, n_params: int, vocab: int, fl
         "flops_per_iter": flops, "configs": getattr(args, "config", None) or [],
         "argv": sys.argv[1:], "hostname": platform.node(), "slurm_job_id": env.get("SLURM_JOB_ID"),
         "slurm_nodelist": env.get("SLURM_JOB_NODELIST"), "torch": torch.__version__,
-        "iterations": [], "losses": [], "step_times_s": [],
+        "iterations": [], "losses": [], "step_times_s": [], "mem_after_step_gib": [],
     }
     return _RESULT
 
