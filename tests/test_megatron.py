@@ -184,3 +184,29 @@ def test_packed_rope_tables():
     fused.packed_seq_params = cyc.packed_seq_params
     with pytest.raises(ValueError, match="--no-rope-fusion"):
         fused(8, packed_seq=True)
+
+
+def test_megatron_fsdp_keeps_fp32_main_gradients_on_every_megatron_core():
+    """Newer megatron-core (0.19.2) ignores grad_reduce_in_fp32 under Megatron-FSDP and keeps bf16 gradients plus an
+    fp32 copy for the optimizer (issue 35: GPT-3 13B ran out of memory in Adam's step); the trainer asks for fp32
+    main gradients where the config has the field, and adds nothing where grad_reduce_in_fp32 decides (0.16.1)."""
+    import dataclasses
+
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    from megatron_cp_plugin.megatron.compat import fsdp_grad_dtype_kwargs
+
+    @dataclasses.dataclass
+    class Newer:
+        grad_reduce_in_fp32: bool = False
+        megatron_fsdp_main_grads_dtype: object = None
+
+    @dataclasses.dataclass
+    class Older:
+        grad_reduce_in_fp32: bool = False
+
+    assert fsdp_grad_dtype_kwargs(Newer, True) == {"megatron_fsdp_main_grads_dtype": torch.float32}
+    assert fsdp_grad_dtype_kwargs(Newer, False) == {} == fsdp_grad_dtype_kwargs(Older, True)
+    kw = fsdp_grad_dtype_kwargs(DistributedDataParallelConfig, True)   # the installed megatron-core takes it
+    cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, **kw)
+    assert getattr(cfg, "megatron_fsdp_main_grads_dtype", torch.float32) == torch.float32

@@ -352,5 +352,8 @@ def moments(m, layout, lb: LayerBytes, params: float, root: float, layers: int, 
         out["backward"] = max(out["backward"], fsdp + max(recomputed, mlp_bwd, attn_bwd))
     if zero3:          # after the last layer: the root's weights, its fp32 bucket, the embedding's gradient, the queue
         out["end"] = e * root + 4.0 * root + e * m.vocab * h + 4.0 * L * min(layers, nq)
-    out["step"] = adam_step_bytes(params if layout.zero == "ddp" else params / cp, fused_adam)
+    # ZeRO-3: the root unit's gathered bf16 weights stay through the step on newer megatron-core (0.19.2 marks the
+    # root bucket preserved; 0.16.1 frees it and gathers it again after the step): counted, at most 1 GiB (13B)
+    out["step"] = adam_step_bytes(params if layout.zero == "ddp" else params / cp, fused_adam) + (e * root if zero3
+                                                                                                 else 0.0)
     return out

@@ -1,4 +1,4 @@
-"""Work-arounds for megatron-core 0.16.1 behaviour that the trainer's checkpoints depend on, in one place.
+"""Work-arounds for megatron-core behaviour (0.16.1 and later) that the trainer depends on, in one place.
 
 - Megatron-FSDP's optimizer state (`DistributedOptimizer.sharded_state_dict` with sharding type
   "fsdp_dtensor") holds Adam's moments only for the parameters that have elements on this rank, so ranks
@@ -19,6 +19,13 @@
 - The "dp_reshardable" layout saves the gaps between parameters in the flat buffers as `torch.empty`
   tensors: the files then hold whatever memory was there, and two identical runs write different bytes.
   `zero_dp_reshardable_padding` zeroes them, so that checkpoints of equal states are equal files.
+- Megatron-FSDP's gradient dtype: 0.16.1 reduces and keeps the sharded main gradients in fp32 when
+  `grad_reduce_in_fp32` is set; from the releases with `megatron_fsdp_main_grads_dtype` (0.19.2 here) Megatron-FSDP
+  ignores `grad_reduce_in_fp32`: left unset, the gradients are reduce-scattered and kept in the model's bf16, and
+  `finish_grad_sync` then makes an fp32 copy of the shard for the optimizer that lives until the next step. That
+  reduced the gradients in bf16 where the trainer asks for fp32, and made the optimizer step 2 bytes a parameter of
+  the shard bigger than 0.16.1's (GPT-3 13B on 2 x H200, FSDP + recompute, ran out of memory in Adam's step).
+  `fsdp_grad_dtype_kwargs` asks for fp32 main gradients where the field exists, so every version runs the same.
 - `DistributedOptimizer.load_state_dict` copies fp32 main parameters into views of leaf parameters that
   require grad; without `torch.no_grad()` autograd refuses (fp32 training: the CPU path). The trainer loads
   under no_grad.
@@ -110,3 +117,13 @@ def zero_dp_reshardable_padding(optim_sd) -> None:
     elif isinstance(optim_sd, list):
         for v in optim_sd:
             zero_dp_reshardable_padding(v)
+
+
+def fsdp_grad_dtype_kwargs(config_cls, fp32: bool) -> dict:
+    """DistributedDataParallelConfig keywords that make Megatron-FSDP keep (and reduce) its main gradients in fp32
+    when `fp32` (grad_reduce_in_fp32): `megatron_fsdp_main_grads_dtype` where `config_cls` has it (newer
+    megatron-core, whose default is the model's dtype), nothing where grad_reduce_in_fp32 already decides (0.16.1)."""
+    import dataclasses
+    fields = {f.name for f in dataclasses.fields(config_cls)}
+    return {"megatron_fsdp_main_grads_dtype": torch.float32} if fp32 and "megatron_fsdp_main_grads_dtype" in fields \
+        else {}

@@ -127,6 +127,8 @@ class Trainer:
         """Megatron's DDP, or Megatron-FSDP with the requested sharding, over data-parallel x CP."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
+        from ..megatron.compat import fsdp_grad_dtype_kwargs
+
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, use_distributed_optimizer=self.distributed_optimizer,
             use_megatron_fsdp=bool(self.fsdp), data_parallel_sharding_strategy=self.fsdp or "no_shard",
@@ -135,7 +137,9 @@ class Trainer:
             # gathers all of them at once and they stay until the next forward). With "optim" (nothing but
             # the optimizer state sharded) 0.16.1 trains wrong with either overlap: both stay off there.
             overlap_grad_reduce=self.fsdp in ("optim_grads", "optim_grads_params"),
-            overlap_param_gather=self.fsdp == "optim_grads_params")
+            overlap_param_gather=self.fsdp == "optim_grads_params",
+            # fp32 main gradients under Megatron-FSDP on every megatron-core version (megatron/compat.py)
+            **(fsdp_grad_dtype_kwargs(DistributedDataParallelConfig, True) if self.fsdp else {}))
         if not self.fsdp:
             return DistributedDataParallel(config, ddp_config, model)
         from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
