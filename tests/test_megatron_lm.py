@@ -256,7 +256,7 @@ def test_patched_pretrain_gpt_lists_our_flags_in_help(patched):
 @needs_checkout
 def test_every_config_parses_with_megatron_lms_own_parser(patched):
     code = (
-        "import sys, subprocess\n"
+        "import os, sys, subprocess\n"
         "from megatron.training.arguments import parse_args\n"
         "from megatron_cp_plugin.megatron import lm\n"
         f"for c in {CONFIGS!r}:\n"
@@ -265,10 +265,20 @@ def test_every_config_parses_with_megatron_lms_own_parser(patched):
         f"                       text=True, cwd={str(REPO)!r}, check=True).stdout.split()\n"
         "    sys.argv = ['pretrain_gpt.py', *f]\n"
         "    a = parse_args(lm.add_args)\n"
-        "    print(c, a.context_parallel_algo, a.context_parallel_size)\n")
+        "    print(c, a.context_parallel_algo, a.context_parallel_size)\n"
+        # Megatron-FSDP with this checkout's release: fp32 main gradients where the flag exists (issue 35)
+        "f = subprocess.run([sys.executable, '-W', 'ignore', '-m', 'megatron_cp_plugin.megatron_lm.flags',\n"
+        "                    '--world-size', '8', '--layout', 'fsdp', '--megatron-lm', os.getcwd(),\n"
+        f"                    '--config', 'configs/gpt3-13b.toml'], capture_output=True, text=True, cwd={str(REPO)!r},\n"
+        "                   check=True).stdout.split()\n"
+        "sys.argv = ['pretrain_gpt.py', *f]\n"
+        "a = parse_args(lm.add_args)\n"
+        "print('fsdp', a.use_megatron_fsdp, getattr(a, 'megatron_fsdp_main_grads_dtype', 'no such flag'))\n")
     r = _in_checkout(patched, code)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert len(r.stdout.strip().splitlines()) == len(CONFIGS)
+    lines = r.stdout.strip().splitlines()
+    assert len(lines) == len(CONFIGS) + 1
+    assert lines[-1] in ("fsdp True no such flag", "fsdp True torch.float32"), lines[-1]
 
 
 @needs_checkout

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import subprocess
 import sys
@@ -331,3 +332,27 @@ def test_megatron_lm_flags_of_the_planners_layouts():
                                                        "optim_grads"]
     with pytest.raises(ValueError, match="--layout pp2-fsdp"):
         layout_flags(a, "pp2-fsdp")
+
+
+def test_megatron_fsdp_asks_megatron_lm_for_fp32_main_gradients_where_it_has_the_flag(tmp_path, monkeypatch):
+    """From core_v0.17.0 Megatron-LM's --megatron-fsdp-main-grads-dtype defaults to 'auto' (bf16 gradients and an
+    fp32 copy of the shard at the optimizer step, 2 bytes a parameter of the shard more than the planner counts;
+    issue 35): the FSDP layouts ask for fp32 there, never on core_v0.16.1 (no such flag) or an unknown release; the
+    launch scripts read the release from $MEGATRON_LM's package_info.py."""
+    a = parse_args(["--config", str(REPO / "configs/gpt3-13b.toml")])
+    want = ["--megatron-fsdp-main-grads-dtype", "fp32"]
+    assert layout_flags(a, "fsdp-optim_grads_params", (0, 19, 0))[-2:] == want
+    for release in (None, (0, 16, 1)):
+        assert "--megatron-fsdp-main-grads-dtype" not in layout_flags(a, "fsdp-optim_grads_params", release)
+    assert "--megatron-fsdp-main-grads-dtype" not in layout_flags(a, "zero1", (0, 19, 0))
+    mlm = tmp_path / "Megatron-LM"
+    (mlm / "megatron" / "core").mkdir(parents=True)
+    (mlm / "megatron" / "core" / "package_info.py").write_text("MAJOR = 0\nMINOR = 19\nPATCH = 0\n")
+    monkeypatch.setenv("MEGATRON_LM", str(mlm))
+    argv = ["--trainer", "megatron-lm", "--layout", "fsdp-optim_grads_params", "--gpus", "4", "--gpu-mem", "141",
+            "--force", "--", "--config", str(REPO / "configs/gpt3-13b.toml")]
+    out = subprocess.run([sys.executable, "-W", "ignore", "-m", "megatron_cp_plugin.bench.launch_plan", *argv],
+                         capture_output=True, text=True, cwd=REPO, env={**os.environ, "MEGATRON_LM": str(mlm)})
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[lines.index("--megatron-fsdp-main-grads-dtype") + 1] == "fp32"

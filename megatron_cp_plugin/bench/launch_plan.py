@@ -20,6 +20,7 @@ line says it did not check.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 
@@ -106,7 +107,14 @@ def main(argv=None) -> int:
             out = rest + (layout_args(lay) if lay is not None and ns.layout != "config" else [])
         else:
             from ..megatron_lm.flags import megatron_lm_flags
-            out = megatron_lm_flags(a, build_parser(), world_size=ns.gpus, layout=lay.name if lay else "auto")
+            from ..megatron_lm.patching import release_of
+            release = None                                  # launch/prepare.sh's checkout: its release picks flags
+            try:
+                release = release_of(os.environ["MEGATRON_LM"]) if os.environ.get("MEGATRON_LM") else None
+            except ValueError:                              # not a checkout: the patch step says so (dry run: none)
+                pass
+            out = megatron_lm_flags(a, build_parser(), world_size=ns.gpus, layout=lay.name if lay else "auto",
+                                    release=release)
     except ValueError as e:
         print(f"launch: {e}", file=sys.stderr)
         return 2

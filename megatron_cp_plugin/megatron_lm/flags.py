@@ -25,7 +25,7 @@ import sys
 
 from ..megatron.tokenizer import padded_vocab_size
 from ..training.config import build_parser, parse_args
-from .patching import NO_TE_FLAGS, have_te
+from .patching import NO_TE_FLAGS, have_te, release_of
 
 DROPPED = {"config", "verbose", "result_json", "log_json", "nproc", "compare_cp1", "no_memory_check", "share_gpu",
            "help", "tokenizer_type", "vocab_size", "dist_timeout", "data_path", "mock_data", "num_query_groups", "max_position_embeddings",
@@ -66,20 +66,30 @@ def parse_layout(a, layout: str) -> tuple[str, int, bool]:
     return zero, int(m.group(1) or 1), bool(m.group(3))
 
 
-def layout_flags(a, layout: str) -> list[str]:
-    """Megatron-LM flags of the parallel layout (see the module docstring)."""
+FSDP_FP32_GRADS_FROM = (0, 17, 0)
+"""The first Megatron-LM release with --megatron-fsdp-main-grads-dtype (default 'auto': the model's bf16, with an
+fp32 copy of the gradient shard at the optimizer step; core_v0.16.1 has no such flag and keeps fp32 gradients)."""
+
+
+def layout_flags(a, layout: str, release: tuple[int, int, int] | None = None) -> list[str]:
+    """Megatron-LM flags of the parallel layout (see the module docstring); `release`: the Megatron-LM checkout's
+    (from it on FSDP_FP32_GRADS_FROM, Megatron-FSDP layouts ask for fp32 main gradients, as the plugin trainer does
+    and the memory planner counts)."""
     zero, pp, recompute = parse_layout(a, layout)
     out = [] if zero == "ddp" else ["--use-distributed-optimizer"] if zero == "zero1" else [
         "--use-megatron-fsdp", "--data-parallel-sharding-strategy", zero, "--use-distributed-optimizer",
         "--ckpt-format", "fsdp_dtensor"]
+    if zero not in ("ddp", "zero1") and release is not None and release >= FSDP_FP32_GRADS_FROM:
+        out += ["--megatron-fsdp-main-grads-dtype", "fp32"]
     if pp > 1:
         out += ["--pipeline-model-parallel-size", str(pp)]
     return out + (RECOMPUTE if recompute else [])
 
 
 def megatron_lm_flags(a: argparse.Namespace, parser: argparse.ArgumentParser, *, world_size: int,
-                      layout: str = "auto") -> list[str]:
-    """pretrain_gpt.py flags for parsed megatron-cp-pretrain args `a` (its `parser` gives the flag names)."""
+                      layout: str = "auto", release: tuple[int, int, int] | None = None) -> list[str]:
+    """pretrain_gpt.py flags for parsed megatron-cp-pretrain args `a` (its `parser` gives the flag names) for the
+    Megatron-LM `release` (None: unknown, flags every supported release takes)."""
     out = ["--seq-length", str(a.seq_length),
            "--max-position-embeddings", str(max(a.seq_length, a.max_position_embeddings or 0)),
            "--position-embedding-type", "rope", "--normalization", "RMSNorm",
@@ -103,7 +113,7 @@ def megatron_lm_flags(a: argparse.Namespace, parser: argparse.ArgumentParser, *,
         out += ["--data-path", *a.data_path, "--split", "98,2,0"]
     else:
         out += ["--mock-data"]
-    layout_set = layout_flags(a, layout)
+    layout_set = layout_flags(a, layout, release)
     for act in parser._actions:
         dest = act.dest
         if dest in DROPPED or not act.option_strings:
@@ -126,11 +136,13 @@ def main(argv=None) -> int:
     pre = argparse.ArgumentParser(prog="python -m megatron_cp_plugin.megatron_lm.flags", add_help=False)
     pre.add_argument("--world-size", type=int, required=True)
     pre.add_argument("--layout", default="auto", help="auto, zero1, fsdp[-STRATEGY], ppN-zero1, each +recompute")
+    pre.add_argument("--megatron-lm", default=None, help="the Megatron-LM checkout the flags are for (its release)")
     ns, rest = pre.parse_known_args(argv)
 
     try:
         args = parse_args(rest)
-        flags = megatron_lm_flags(args, build_parser(), world_size=ns.world_size, layout=ns.layout)
+        release = release_of(ns.megatron_lm) if ns.megatron_lm else None
+        flags = megatron_lm_flags(args, build_parser(), world_size=ns.world_size, layout=ns.layout, release=release)
     except ValueError as e:
         print(f"lm_flags: error: {e}", file=sys.stderr)
         return 2
