@@ -12,6 +12,7 @@ import contextlib
 
 import torch
 
+from ..kernels.bias_add import fused_bias_residual
 from ..kernels.norm import fused_norm
 from ..megatron.rope import RopeWrapper, gpt_of, rope_rows
 from ..sharding import sequence_positions
@@ -37,6 +38,42 @@ class FusedNorm(torch.nn.Module):
         return fused_norm(x, self.inner.weight, None if self.rms else self.inner.bias, eps, rms=self.rms)
 
 
+class FusedBiasDropoutAdd:
+    """Stands in for a transformer layer's `self_attn_bda` / `mlp_bda` (megatron-core's get_bias_dropout_add):
+    in eval, with a bias and x, residual of one dtype and shape, the bias and residual adds in one kernel
+    (kernels/bias_add.py, torch's result bit for bit; its output needs no gradient, as a decode step's); anything
+    else (training, no bias, an fp32 residual stream, inputs that need gradients) goes to the layer's own
+    function."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __call__(self, training: bool, fused: bool):
+        own = self.inner(training, fused)
+        if training:
+            return own
+
+        def bda(x_with_bias, residual, prob):
+            x, bias = x_with_bias
+            if (bias is None or x.requires_grad or residual.requires_grad
+                    or x.dtype != residual.dtype or bias.dtype != x.dtype or x.shape != residual.shape
+                    or bias.dim() != 1 or not x.is_contiguous() or not residual.is_contiguous()):
+                return own(x_with_bias, residual, prob)
+            return fused_bias_residual(x, bias, residual)
+        return bda
+
+
+BDA_SLOTS = ("self_attn_bda", "mlp_bda")
+"""The layer attributes FusedBiasDropoutAdd stands in for (megatron-core 0.16.1 and 0.19.2 call both as
+`self.<slot>(self.training, self.config.bias_dropout_fusion)(x_with_bias, residual, dropout)`)."""
+
+
+def bda_slots(model) -> list[tuple[object, str]]:
+    """(layer, attribute) of every bias-dropout-add of `model`'s transformer layers not stood in for yet."""
+    return [(m, n) for m in model.modules() for n in BDA_SLOTS
+            if callable(getattr(m, n, None)) and not isinstance(getattr(m, n), FusedBiasDropoutAdd)]
+
+
 def norm_slots(model) -> list[tuple[torch.nn.Module, str]]:
     """(parent, attribute) of every torch.nn.RMSNorm and LayerNorm of `model` over one last dimension (the
     norms of megatron-core's local layer spec; TE's fused norm-linear layers are not these and stay)."""
@@ -51,16 +88,19 @@ def norm_slots(model) -> list[tuple[torch.nn.Module, str]]:
 
 
 @contextlib.contextmanager
-def swapped(model, *, core=None, rope=None, owners=None, norms: bool = False):
+def swapped(model, *, core=None, rope=None, owners=None, norms: bool = False, bda: bool = False):
     """Inside the block, owner i's core_attention is core(its own, i) (owners: core_owners(model) unless given),
-    the model's rotary_pos_emb is rope(its own) (when it has one) and, with norms, every RMSNorm and LayerNorm a
-    FusedNorm of itself; the model's own are restored after."""
+    the model's rotary_pos_emb is rope(its own) (when it has one), with norms every RMSNorm and LayerNorm a
+    FusedNorm of itself and with bda every layer's bias-dropout-adds a FusedBiasDropoutAdd of themselves; the
+    model's own are restored after."""
     owners = core_owners(model) if owners is None else owners
     gpt = gpt_of(model)
     saved = [m.core_attention for m in owners]
     own_rope = getattr(gpt, "rotary_pos_emb", None)
     slots = norm_slots(model) if norms else []
     own_norms = [getattr(p, n) for p, n in slots]
+    adds = bda_slots(model) if bda else []
+    own_adds = [getattr(p, n) for p, n in adds]
     try:
         if core is not None:
             for i, m in enumerate(owners):
@@ -69,6 +109,8 @@ def swapped(model, *, core=None, rope=None, owners=None, norms: bool = False):
             gpt.rotary_pos_emb = rope(own_rope)
         for (p, n), inner in zip(slots, own_norms):
             setattr(p, n, FusedNorm(inner))
+        for (p, n), inner in zip(adds, own_adds):
+            setattr(p, n, FusedBiasDropoutAdd(inner))
         yield
     finally:
         for m, c in zip(owners, saved):
@@ -76,6 +118,8 @@ def swapped(model, *, core=None, rope=None, owners=None, norms: bool = False):
         if own_rope is not None:
             gpt.rotary_pos_emb = own_rope
         for (p, n), inner in zip(slots, own_norms):
+            setattr(p, n, inner)
+        for (p, n), inner in zip(adds, own_adds):
             setattr(p, n, inner)
 
 

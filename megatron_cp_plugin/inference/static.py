@@ -215,10 +215,11 @@ class StaticDecoder:
 
     # ------------------------------------------------------------------------------------------ the step
     def _swapped(self):
-        """The step's forward reaches the model through the static core attention and RoPE, and its norms
-        through one fused kernel each on a GPU (inference/hooks.py)."""
+        """The step's forward reaches the model through the static core attention and RoPE, and its norms and
+        bias-residual adds through one fused kernel each on a GPU (inference/hooks.py)."""
+        gpu = self.device.type == "cuda"
         return swapped(self.model, owners=self.owners, core=lambda c, i: _StaticCore(c, i, self),
-                       rope=lambda r: _StaticRope(r, self), norms=self.device.type == "cuda")
+                       rope=lambda r: _StaticRope(r, self), norms=gpu, bda=gpu)
 
     def _body(self):
         """One decode step on device tensors only (what the graph captures)."""

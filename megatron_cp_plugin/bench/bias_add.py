@@ -1,0 +1,58 @@
+"""The fused bias + residual add (kernels/bias_add.py) against torch's two adds (megatron-core's bias-dropout-add
+in eval), on one GPU.
+
+    megatron-cp-bench bias-add --rows 1 8 4096 --hidden 4096
+
+Per row count (1 and 8: a decode step's tokens; 4096: a prefill chunk): median us of --iters calls of each,
+eager (CUDA events around a loop, so a call's launch counts) and replayed from a CUDA graph of --iters calls (what
+a graphed decode step pays), and the kernels one call launches (torch.profiler); `same` says whether the two
+outputs are equal bit for bit. Without a GPU it says so and exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from megatron_cp_plugin.bench._common import write_report
+from megatron_cp_plugin.bench.norm import _kernels, _us
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="megatron-cp-bench bias-add", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 4096])
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--iters", type=int, default=100)
+    p.add_argument("--out", default="results/bias_add")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("megatron-cp-bench bias-add: no GPU here; the kernel's comparison needs one (nothing run)")
+        return 0
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+
+    from megatron_cp_plugin.inference.hooks import FusedBiasDropoutAdd
+
+    dev, rows = torch.device("cuda"), []
+    own, ours = get_bias_dropout_add(False, False), FusedBiasDropoutAdd(get_bias_dropout_add)(False, False)
+    for r in a.rows:
+        x, res = (torch.randn(1, r, a.hidden, device=dev, dtype=torch.bfloat16) for _ in range(2))
+        bias = torch.randn(a.hidden, device=dev, dtype=torch.bfloat16)
+        with torch.no_grad():
+            same = torch.equal(own((x.clone(), bias), res.clone(), 0.0), ours((x, bias), res, 0.0))
+            for impl, fn in (("torch: x + bias, + residual", lambda: own((x, bias), res, 0.0)),   # in place
+                             ("fused_bias_residual (Triton)", lambda: ours((x, bias), res, 0.0))):
+                rows.append({"rows": r, "hidden": a.hidden, "impl": impl,
+                             "eager_us": round(_us(fn, a.iters, False), 2),
+                             "graph_us": round(_us(fn, a.iters, True), 2), "kernels": _kernels(fn), "same": same})
+                print(rows[-1])
+    header = (f"bias + residual add of [1, rows, {a.hidden}] bf16 on {torch.cuda.get_device_name()}: us per call, "
+              f"mean of {a.iters} back-to-back calls (median of 5 loops), eager and replayed from one CUDA graph; "
+              "kernels per call (torch.profiler); same: the outputs equal bit for bit (torch's row adds in place, as "
+              "megatron-core does where no operand needs gradients; its values drift over the loop, its time not).")
+    print(write_report(rows, a.out, header))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,127 @@
+"""The decode step's fused bias + residual add (kernels/bias_add.py) against torch's two adds, bit for bit, and an
+fp64 definition; on CPU through Triton's interpreter (conftest sets TRITON_INTERPRET=1), on GPUs the compiled
+kernel. And the stand-in (inference/hooks.FusedBiasDropoutAdd) that the static decode step swaps in for a layer's
+bias-dropout-adds."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from megatron_cp_plugin.inference import hooks
+from megatron_cp_plugin.inference.hooks import FusedBiasDropoutAdd, bda_slots, swapped
+from megatron_cp_plugin.kernels.bias_add import bias_residual_reference, fused_bias_residual
+from megatron_cp_plugin.kernels.flash_decode import available
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _inputs(shape, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed + shape[-1])
+    x, r = (torch.randn(shape, generator=g).mul(s).to(DEV, dtype) for s in (1.0, 8.0))   # residual: larger
+    b = (0.5 * torch.randn(shape[-1], generator=g)).to(DEV, dtype)
+    return x, b, r
+
+
+@pytest.mark.parametrize("backend", [None, "triton"])
+@pytest.mark.parametrize("shape, dtype", [((1, 1, 4096), torch.bfloat16), ((3, 2, 1000), torch.bfloat16),
+                                          ((1, 8, 2049), torch.float16), ((5, 77), torch.float32)])
+def test_fused_bias_residual_is_torchs_two_adds_bit_for_bit(backend, shape, dtype):
+    if backend == "triton" and not available(DEV):
+        pytest.skip("SKIPPED LOUDLY: triton not installed")
+    x, b, r = _inputs(shape, dtype)
+    x0, r0 = x.clone(), r.clone()
+    y = fused_bias_residual(x, b, r, backend=backend)
+    assert y.dtype == dtype and y.shape == x.shape and y.data_ptr() != x.data_ptr()
+    want = bias_residual_reference(x, b, r)
+    if backend == "triton" and DEV.type == "cpu" and dtype == torch.bfloat16:
+        # Triton's CPU interpreter rounds fp32 -> bf16 toward zero whatever the rounding mode asked (2.3711 ->
+        # 2.359375 where torch and the GPU's cvt.rn give 2.375): within one bf16 ulp per rounding here; the
+        # compiled kernel is held to torch's bits on GPUs.
+        ulp = torch.finfo(dtype).eps
+        assert ((y.double() - want.double()).abs() <= 2 * ulp * (want.double().abs() + (x + b).double().abs())).all()
+    else:
+        assert torch.equal(y, want)                                      # each add rounded as torch's is
+    assert torch.equal(x, x0) and torch.equal(r, r0)                     # the inputs are left alone
+    # and the definition: two roundings to the output dtype, each within half an ulp of what it rounds
+    exact = (x.double() + b.double()) + r.double()
+    ulp = torch.finfo(dtype).eps
+    assert ((y.double() - exact).abs() <= ulp * (exact.abs() + (x.double() + b.double()).abs()) + 1e-30).all()
+
+
+def test_fused_bias_residual_refuses_mismatched_operands():
+    x = torch.ones(2, 8)
+    with pytest.raises(ValueError, match=r"bias must be \[8\]"):
+        fused_bias_residual(x, torch.ones(4), x)
+    with pytest.raises(ValueError, match="residual must be x's shape"):
+        fused_bias_residual(x, torch.ones(8), torch.ones(2, 8, dtype=torch.float64))
+
+
+def test_stand_in_is_megatron_cores_bias_dropout_add(monkeypatch):
+    """Eval: the layer's own get_bias_dropout_add (megatron-core) and the stand-in give the same tensor, through the
+    Triton kernel where it runs (interpreted on CPU); training, no bias or an fp32 residual stream: the layer's own."""
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+
+    if available(DEV):
+        monkeypatch.setattr(hooks, "fused_bias_residual", functools.partial(fused_bias_residual, backend="triton"))
+    calls = []
+    real = hooks.fused_bias_residual
+    monkeypatch.setattr(hooks, "fused_bias_residual", lambda *a, **k: calls.append(1) or real(*a, **k))
+    ours = FusedBiasDropoutAdd(get_bias_dropout_add)
+    for fused in (False, True):
+        x, b, r = _inputs((1, 2, 4096), torch.bfloat16, seed=fused)
+        with torch.no_grad():
+            want = get_bias_dropout_add(False, fused)((x.clone(), b), r.clone(), 0.1)
+            got = ours(False, fused)((x, b), r, 0.1)
+        if DEV.type == "cuda" or not available(DEV):
+            assert torch.equal(got, want)
+        else:                                   # the interpreter's bf16 rounding (see the test above)
+            torch.testing.assert_close(got, want, atol=0.07, rtol=2 ** -7)
+    assert len(calls) == 2
+    x, b, r = _inputs((1, 2, 64), torch.bfloat16)
+    with torch.no_grad():
+        ours(False, False)((x, None), r, 0.0)                            # no bias
+        ours(False, False)((x, b), r.float(), 0.0)                       # fp32 residual stream
+    assert len(calls) == 2
+    assert ours(True, False) is not None and len(calls) == 2             # training: the layer's own function
+
+
+def test_swapped_bda_replaces_every_layers_adds_and_puts_them_back():
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.self_attn_bda = get_bias_dropout_add
+            self.mlp_bda = get_bias_dropout_add
+            self.core_attention = torch.nn.Identity()
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([Layer(), Layer()])
+
+    model = Model()
+    assert len(bda_slots(model)) == 4
+    with swapped(model, bda=True):
+        assert bda_slots(model) == [] and isinstance(model.layers[1].mlp_bda, FusedBiasDropoutAdd)
+        assert model.layers[1].mlp_bda.inner is get_bias_dropout_add
+    assert all(getattr(m, n) is get_bias_dropout_add for m, n in bda_slots(model)) and len(bda_slots(model)) == 4
+    with pytest.raises(RuntimeError), swapped(model, bda=True):
+        raise RuntimeError("a failing step")
+    assert len(bda_slots(model)) == 4
+
+
+def test_bias_add_bench(capsys, tmp_path):
+    """Without a GPU it says so; on one, its rows say the fused kernel gave torch's bits, in one launch."""
+    import json
+
+    from megatron_cp_plugin.bench.bias_add import main
+    assert main(["--rows", "1", "8", "--iters", "5", "--out", str(tmp_path / "b")]) == 0
+    if not torch.cuda.is_available():
+        assert "no GPU here" in capsys.readouterr().out
+        return
+    rows = json.loads((tmp_path / "b.json").read_text())["rows"]
+    assert len(rows) == 4 and all(r["same"] for r in rows)
+    assert [r["kernels"] for r in rows if "Triton" in r["impl"]] == [1, 1]
