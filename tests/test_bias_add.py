@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from megatron_cp_plugin.inference import hooks
-from megatron_cp_plugin.inference.hooks import FusedBiasDropoutAdd, bda_slots, swapped
-from megatron_cp_plugin.kernels.bias_add import bias_residual_reference, fused_bias_residual
+from megatron_cp_plugin.inference.hooks import (FusedBiasDropoutAdd, FusedBiasGelu, bda_slots, bias_gelu_mlps,
+                                                swapped)
+from megatron_cp_plugin.kernels.bias_add import (bias_gelu_reference, bias_residual_reference, fused_bias_gelu,
+                                                 fused_bias_residual)
 from megatron_cp_plugin.kernels.flash_decode import available
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -123,5 +125,81 @@ def test_bias_add_bench(capsys, tmp_path):
         assert "no GPU here" in capsys.readouterr().out
         return
     rows = json.loads((tmp_path / "b.json").read_text())["rows"]
-    assert len(rows) == 4 and all(r["same"] for r in rows)
-    assert [r["kernels"] for r in rows if "Triton" in r["impl"]] == [1, 1]
+    assert len(rows) == 8 and all(r["same"] for r in rows if r["op"] == "bias + residual")
+    assert all(r["max_ulps"] <= 1 for r in rows if r["op"] == "bias + GELU")
+    assert [r["kernels"] for r in rows if "Triton" in r["impl"]] == [1, 1, 1, 1]
+
+
+@pytest.mark.parametrize("backend", [None, "triton"])
+@pytest.mark.parametrize("shape, dtype", [((1, 1, 4096), torch.bfloat16), ((3, 2, 1000), torch.bfloat16),
+                                          ((1, 8, 2049), torch.float16), ((5, 77), torch.float32)])
+def test_fused_bias_gelu_is_torchs_add_and_gelu(backend, shape, dtype):
+    """The add rounded as torch's, then GELU in fp32 rounded once: torch's up to an ulp of the output (erf's last
+    bits may differ between libraries), and the fp64 definition within the two roundings."""
+    if backend == "triton" and not available(DEV):
+        pytest.skip("SKIPPED LOUDLY: triton not installed")
+    x, b, _ = _inputs(shape, dtype, seed=7)
+    y = fused_bias_gelu(x, b, backend=backend)
+    assert y.dtype == dtype and y.shape == x.shape
+    want = bias_gelu_reference(x, b)
+    ulp = torch.finfo(dtype).eps
+    t = (x + b).double()                                                 # the add, rounded as torch's
+    exact = 0.5 * t * (1 + torch.erf(t / 2 ** 0.5))
+    if backend == "triton" and DEV.type == "cpu" and dtype == torch.bfloat16:
+        # the interpreter truncates both bf16 roundings (test above): an ulp of the sum, through GELU's slope
+        # (at most 1.13), and an ulp of the output
+        tol = 2 * ulp * (want.double().abs() + 1.2 * t.abs())
+    else:
+        tol = ulp * want.double().abs() + 1e-6
+    assert ((y.double() - want.double()).abs() <= tol).all()
+    assert ((y.double() - exact).abs() <= tol + ulp / 2 * exact.abs()).all()
+
+
+class _MLP(torch.nn.Module):
+    """megatron-core's MLP.forward on its plain path (no bias-activation fusion, not gated), in miniature."""
+
+    def __init__(self, n, f, dtype):
+        super().__init__()
+        self.config = type("Cfg", (), {"gated_linear_unit": False, "bias_activation_fusion": False,
+                                        "use_te_activation_func": False})()
+        g = torch.Generator().manual_seed(f)
+        self.w1 = torch.nn.Parameter(torch.randn(f, n, generator=g).to(dtype) / n ** 0.5)
+        self.b1 = torch.nn.Parameter(torch.randn(f, generator=g).to(dtype))
+        self.linear_fc1 = _Linear(self.w1, self.b1)
+        self.linear_fc2 = torch.nn.Identity()
+        self.activation_func = torch.nn.functional.gelu
+
+    def forward(self, h):
+        inter, bias = self.linear_fc1(h)
+        if bias is not None:
+            inter = inter + bias
+        return self.activation_func(inter)
+
+
+class _Linear(torch.nn.Module):
+    def __init__(self, w, b):
+        super().__init__()
+        self.w, self.b = w, b
+
+    def forward(self, h):
+        return h @ self.w.t(), self.b                                    # skip_bias_add=True, as MLP's fc1
+
+
+def test_swapped_bda_takes_the_plain_gelu_mlps_fc1_bias_and_activation(monkeypatch):
+    if available(DEV):
+        monkeypatch.setattr(hooks, "fused_bias_gelu", functools.partial(fused_bias_gelu, backend="triton"))
+    mlp = _MLP(64, 256, torch.float32).to(DEV)
+    gated = _MLP(64, 256, torch.float32).to(DEV)
+    gated.config.gated_linear_unit = True
+    model = torch.nn.ModuleList([mlp, gated])
+    assert bias_gelu_mlps(model) == [mlp]
+    h = torch.randn(1, 2, 64, device=DEV)
+    with torch.no_grad():
+        want = mlp(h)
+        own_fc1 = mlp.linear_fc1
+        with swapped(model, bda=True):
+            assert isinstance(mlp.linear_fc1, FusedBiasGelu) and mlp.activation_func is not torch.nn.functional.gelu
+            assert gated.linear_fc1 is not None and not isinstance(gated.linear_fc1, FusedBiasGelu)
+            got = mlp(h)
+        assert mlp.linear_fc1 is own_fc1 and mlp.activation_func is torch.nn.functional.gelu
+    torch.testing.assert_close(got, want, rtol=2 ** -20, atol=1e-6)

@@ -12,7 +12,7 @@ import contextlib
 
 import torch
 
-from ..kernels.bias_add import fused_bias_residual
+from ..kernels.bias_add import fused_bias_gelu, fused_bias_residual
 from ..kernels.norm import fused_norm
 from ..megatron.rope import RopeWrapper, gpt_of, rope_rows
 from ..sharding import sequence_positions
@@ -63,6 +63,43 @@ class FusedBiasDropoutAdd:
         return bda
 
 
+class FusedBiasGelu(torch.nn.Module):
+    """Stands in for an MLP's linear_fc1 while the MLP's activation_func is the identity: fc1's output with its
+    bias added and GELU applied in one kernel (kernels/bias_add.py), returned without a bias, so that the MLP's own
+    `+ bias` and activation are skipped. Only for megatron-core's plain path: exact GELU, no gated linear unit,
+    no bias-activation fusion, no TE activation (`bias_gelu_mlps`)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, hidden_states, *args, **kwargs):
+        out, bias = self.inner(hidden_states, *args, **kwargs)
+        if bias is None:
+            return torch.nn.functional.gelu(out), None
+        if out.requires_grad or bias.dtype != out.dtype or bias.dim() != 1 or not out.is_contiguous():
+            return torch.nn.functional.gelu(out + bias), None
+        return fused_bias_gelu(out, bias), None
+
+
+def _identity(x):
+    return x
+
+
+def bias_gelu_mlps(model) -> list:
+    """The MLPs of `model` whose fc1 bias and GELU FusedBiasGelu can take: megatron-core's MLP on its plain path
+    (F.gelu, not gated, bias_activation_fusion and TE's activation off), not stood in for yet."""
+    out = []
+    for m in model.modules():
+        cfg = getattr(m, "config", None)
+        if (isinstance(getattr(m, "linear_fc1", None), torch.nn.Module) and hasattr(m, "linear_fc2")
+                and not isinstance(m.linear_fc1, FusedBiasGelu) and getattr(m, "activation_func", None)
+                is torch.nn.functional.gelu and cfg is not None and not cfg.gated_linear_unit
+                and not cfg.bias_activation_fusion and not getattr(cfg, "use_te_activation_func", False)):
+            out.append(m)
+    return out
+
+
 BDA_SLOTS = ("self_attn_bda", "mlp_bda")
 """The layer attributes FusedBiasDropoutAdd stands in for (megatron-core 0.16.1 and 0.19.2 call both as
 `self.<slot>(self.training, self.config.bias_dropout_fusion)(x_with_bias, residual, dropout)`)."""
@@ -91,8 +128,8 @@ def norm_slots(model) -> list[tuple[torch.nn.Module, str]]:
 def swapped(model, *, core=None, rope=None, owners=None, norms: bool = False, bda: bool = False):
     """Inside the block, owner i's core_attention is core(its own, i) (owners: core_owners(model) unless given),
     the model's rotary_pos_emb is rope(its own) (when it has one), with norms every RMSNorm and LayerNorm a
-    FusedNorm of itself and with bda every layer's bias-dropout-adds a FusedBiasDropoutAdd of themselves; the
-    model's own are restored after."""
+    FusedNorm of itself and with bda every layer's bias-dropout-adds a FusedBiasDropoutAdd of themselves and every
+    plain-GELU MLP's fc1 a FusedBiasGelu (its activation the identity); the model's own are restored after."""
     owners = core_owners(model) if owners is None else owners
     gpt = gpt_of(model)
     saved = [m.core_attention for m in owners]
@@ -101,6 +138,7 @@ def swapped(model, *, core=None, rope=None, owners=None, norms: bool = False, bd
     own_norms = [getattr(p, n) for p, n in slots]
     adds = bda_slots(model) if bda else []
     own_adds = [getattr(p, n) for p, n in adds]
+    mlps = bias_gelu_mlps(model) if bda else []
     try:
         if core is not None:
             for i, m in enumerate(owners):
@@ -111,6 +149,8 @@ def swapped(model, *, core=None, rope=None, owners=None, norms: bool = False, bd
             setattr(p, n, FusedNorm(inner))
         for (p, n), inner in zip(adds, own_adds):
             setattr(p, n, FusedBiasDropoutAdd(inner))
+        for m in mlps:
+            m.linear_fc1, m.activation_func = FusedBiasGelu(m.linear_fc1), _identity
         yield
     finally:
         for m, c in zip(owners, saved):
@@ -121,6 +161,9 @@ def swapped(model, *, core=None, rope=None, owners=None, norms: bool = False, bd
             setattr(p, n, inner)
         for (p, n), inner in zip(adds, own_adds):
             setattr(p, n, inner)
+        for m in mlps:
+            if isinstance(m.linear_fc1, FusedBiasGelu):
+                m.linear_fc1, m.activation_func = m.linear_fc1.inner, torch.nn.functional.gelu
 
 
 class KeepPrefill(torch.nn.Module):

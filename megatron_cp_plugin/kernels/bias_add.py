@@ -14,7 +14,14 @@ is torch's bit for bit:
                                                    operand requires grad; its decode step runs the bias-dropout-add
                                                    under enable_grad with parameters that do, so out of place)
 
-`bias_residual_reference` is the plain-PyTorch definition (and the path without Triton or off CUDA).
+The MLP's fc1 bias and GELU (megatron-core's MLP without bias_activation_fusion: `x + bias`, then F.gelu, two
+more kernels a layer) likewise, the add rounded as torch's and GELU as torch's CUDA kernel computes it (fp32,
+x * 0.5 * (1 + erf(x / sqrt 2)), rounded once):
+
+    y = fused_bias_gelu(x, bias)                 gelu(x + bias), a new tensor
+
+`bias_residual_reference` and `bias_gelu_reference` are the plain-PyTorch definitions (and the paths without
+Triton or off CUDA).
 """
 from __future__ import annotations
 
@@ -30,6 +37,8 @@ except ImportError:
 
 BLOCK = 1024
 """Elements per program: a decode token's hidden vector (4096) is 4 programs; a prefill chunk is many."""
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+"""What the kernels take (they compute in fp32); fp64 (the CPU and shared-GPU tests' models) takes the reference."""
 
 
 def bias_residual_reference(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -37,7 +46,22 @@ def bias_residual_reference(x: torch.Tensor, bias: torch.Tensor, residual: torch
     return (x + bias) + residual
 
 
+def bias_gelu_reference(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """The definition: torch's add, then torch's exact (erf) GELU, each rounded to x's dtype (a new tensor)."""
+    return torch.nn.functional.gelu(x + bias)
+
+
 if triton is not None:
+    @triton.jit
+    def _bias_gelu_kernel(X, B, Y, N, H, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < N
+        x = tl.load(X + offs, mask=m, other=0.0).to(tl.float32)
+        b = tl.load(B + offs % H, mask=m, other=0.0).to(tl.float32)
+        t = (x + b).to(X.dtype.element_ty, fp_downcast_rounding="rtne").to(tl.float32)   # x + bias, rounded as torch
+        y = t * 0.5 * (1.0 + tl.math.erf(t * 0.7071067811865476))                        # torch's GELU, in fp32
+        tl.store(Y + offs, y.to(Y.dtype.element_ty, fp_downcast_rounding="rtne"), mask=m)
+
     @triton.jit
     def _bias_residual_kernel(X, B, R, Y, N, H, BLOCK: tl.constexpr):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -61,12 +85,30 @@ def fused_bias_residual(x: torch.Tensor, bias: torch.Tensor, residual: torch.Ten
         raise ValueError(f"fused_bias_residual: residual must be x's shape {tuple(x.shape)} and dtype {x.dtype}, "
                          f"bias x's dtype; got {tuple(residual.shape)} {residual.dtype}, bias {bias.dtype}")
     use = backend == "triton" or (backend is None and x.device.type == "cuda")
-    fits = x.is_contiguous() and residual.is_contiguous() and bias.is_contiguous()
+    fits = x.is_contiguous() and residual.is_contiguous() and bias.is_contiguous() and x.dtype in DTYPES
     if not (use and available(x.device) and fits):
         if backend == "triton":
-            raise ValueError("fused_bias_residual: backend='triton' needs Triton and contiguous tensors")
+            raise ValueError(f"fused_bias_residual: backend='triton' needs Triton and contiguous tensors of one of "
+                             f"{DTYPES}")
         return bias_residual_reference(x, bias, residual)
     y = torch.empty_like(x)
     N = x.numel()
     _bias_residual_kernel[(triton.cdiv(N, BLOCK),)](x, bias, residual, y, N, n, BLOCK=BLOCK, num_warps=4)
+    return y
+
+
+def fused_bias_gelu(x: torch.Tensor, bias: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
+    """gelu(x + bias), x [..., n], bias [n] of x's dtype: a new tensor. backend as fused_bias_residual's."""
+    n = x.shape[-1]
+    if tuple(bias.shape) != (n,) or bias.dtype != x.dtype:
+        raise ValueError(f"fused_bias_gelu: bias must be [{n}] (x's last dimension) of x's dtype {x.dtype}, got "
+                         f"{tuple(bias.shape)} {bias.dtype}")
+    use = backend == "triton" or (backend is None and x.device.type == "cuda")
+    if not (use and available(x.device) and x.is_contiguous() and bias.is_contiguous() and x.dtype in DTYPES):
+        if backend == "triton":
+            raise ValueError(f"fused_bias_gelu: backend='triton' needs Triton and contiguous tensors of one of {DTYPES}")
+        return bias_gelu_reference(x, bias)
+    y = torch.empty_like(x)
+    N = x.numel()
+    _bias_gelu_kernel[(triton.cdiv(N, BLOCK),)](x, bias, y, N, n, BLOCK=BLOCK, num_warps=4)
     return y
