@@ -49,6 +49,16 @@ def test_fused_norm_refuses_a_weight_of_the_wrong_size():
         fused_norm(torch.ones(2, 8), torch.ones(4))
 
 
+def test_fp64_keeps_the_reference():
+    """The kernel computes in fp32: an fp64 norm (the shared-GPU tests' decode models) is the reference's, and the
+    forced kernel refuses it."""
+    x, w = torch.randn(2, 64, dtype=torch.float64, device=DEV), torch.rand(64, dtype=torch.float64, device=DEV)
+    assert torch.equal(fused_norm(x, w, None, 1e-6), norm_reference(x, w, None, 1e-6))
+    if available(DEV):
+        with pytest.raises(ValueError, match="bf16, fp16 or fp32"):
+            fused_norm(x, w, None, 1e-6, backend="triton")
+
+
 @pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])   # fp32: megatron-core's local spec
 @pytest.mark.parametrize("make", [lambda: torch.nn.RMSNorm(64, eps=1e-6), lambda: torch.nn.RMSNorm(64),
                                   lambda: torch.nn.LayerNorm(64, eps=1e-5)])
