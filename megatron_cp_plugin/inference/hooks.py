@@ -55,9 +55,9 @@ class FusedBiasDropoutAdd:
 
         def bda(x_with_bias, residual, prob):
             x, bias = x_with_bias
-            if (bias is None or x.requires_grad or residual.requires_grad
-                    or x.dtype != residual.dtype or bias.dtype != x.dtype or x.shape != residual.shape
-                    or bias.dim() != 1 or not x.is_contiguous() or not residual.is_contiguous()):
+            # what fused_bias_residual refuses or should not take (it takes the reference for the rest)
+            if (bias is None or x.requires_grad or residual.requires_grad or x.dtype != residual.dtype
+                    or bias.dtype != x.dtype or x.shape != residual.shape or bias.dim() != 1):
                 return own(x_with_bias, residual, prob)
             return fused_bias_residual(x, bias, residual)
         return bda
@@ -77,7 +77,7 @@ class FusedBiasGelu(torch.nn.Module):
         out, bias = self.inner(hidden_states, *args, **kwargs)
         if bias is None:
             return torch.nn.functional.gelu(out), None
-        if out.requires_grad or bias.dtype != out.dtype or bias.dim() != 1 or not out.is_contiguous():
+        if out.requires_grad or bias.dtype != out.dtype or bias.dim() != 1:       # what fused_bias_gelu refuses
             return torch.nn.functional.gelu(out + bias), None
         return fused_bias_gelu(out, bias), None
 

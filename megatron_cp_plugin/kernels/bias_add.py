@@ -73,6 +73,18 @@ if triton is not None:
         tl.store(Y + offs, (t + r).to(Y.dtype.element_ty, fp_downcast_rounding="rtne"), mask=m)  # + residual
 
 
+def _kernel_runs(name: str, backend: str | None, x: torch.Tensor, *others: torch.Tensor) -> bool:
+    """Whether `name`'s kernel takes these operands: backend None on CUDA or "triton", Triton here, contiguous
+    tensors of DTYPES; "triton" with operands it cannot take raises, anything else takes the reference."""
+    use = backend == "triton" or (backend is None and x.device.type == "cuda")
+    fits = x.dtype in DTYPES and all(t.is_contiguous() for t in (x, *others))
+    if use and available(x.device) and fits:
+        return True
+    if backend == "triton":
+        raise ValueError(f"{name}: backend='triton' needs Triton and contiguous tensors of one of {DTYPES}")
+    return False
+
+
 def fused_bias_residual(x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor, *,
                         backend: str | None = None) -> torch.Tensor:
     """(x + bias) + residual, x and residual [..., n] of one dtype and shape, bias [n] of x's dtype: a new tensor.
@@ -84,12 +96,7 @@ def fused_bias_residual(x: torch.Tensor, bias: torch.Tensor, residual: torch.Ten
     if residual.shape != x.shape or residual.dtype != x.dtype or bias.dtype != x.dtype:
         raise ValueError(f"fused_bias_residual: residual must be x's shape {tuple(x.shape)} and dtype {x.dtype}, "
                          f"bias x's dtype; got {tuple(residual.shape)} {residual.dtype}, bias {bias.dtype}")
-    use = backend == "triton" or (backend is None and x.device.type == "cuda")
-    fits = x.is_contiguous() and residual.is_contiguous() and bias.is_contiguous() and x.dtype in DTYPES
-    if not (use and available(x.device) and fits):
-        if backend == "triton":
-            raise ValueError(f"fused_bias_residual: backend='triton' needs Triton and contiguous tensors of one of "
-                             f"{DTYPES}")
+    if not _kernel_runs("fused_bias_residual", backend, x, bias, residual):
         return bias_residual_reference(x, bias, residual)
     y = torch.empty_like(x)
     N = x.numel()
@@ -103,10 +110,7 @@ def fused_bias_gelu(x: torch.Tensor, bias: torch.Tensor, *, backend: str | None 
     if tuple(bias.shape) != (n,) or bias.dtype != x.dtype:
         raise ValueError(f"fused_bias_gelu: bias must be [{n}] (x's last dimension) of x's dtype {x.dtype}, got "
                          f"{tuple(bias.shape)} {bias.dtype}")
-    use = backend == "triton" or (backend is None and x.device.type == "cuda")
-    if not (use and available(x.device) and x.is_contiguous() and bias.is_contiguous() and x.dtype in DTYPES):
-        if backend == "triton":
-            raise ValueError(f"fused_bias_gelu: backend='triton' needs Triton and contiguous tensors of one of {DTYPES}")
+    if not _kernel_runs("fused_bias_gelu", backend, x, bias):
         return bias_gelu_reference(x, bias)
     y = torch.empty_like(x)
     N = x.numel()
