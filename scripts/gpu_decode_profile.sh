@@ -12,7 +12,7 @@
 # must read, GB/s and the fraction of the floor's bandwidth (H200 4.3 TB/s, H100 3.0).
 # Not yet run; expected 2-3 minutes on 2 GPUs (mostly start-up: megatron-core import, 10 GB of weights, Triton
 # compiles). Every step has a timeout and the whole run stops by $BUDGET s (default 300).
-# Writes under $OUT: norm.{json,md} (megatron-cp-bench norm), bias_add.{json,md}, N.log, BA.log, A.log, B.log, profile_cp1.{json,md}, profile_cp2.{json,md}, profile_cp{1,2}_traces/*.json.gz
+# Writes under $OUT: norm.{json,md} (megatron-cp-bench norm), bias_add.{json,md}, gemv.{json,md}, N.log, BA.log, G.log, A.log, B.log, profile_cp1.{json,md}, profile_cp2.{json,md}, profile_cp{1,2}_traces/*.json.gz
 # (one Chrome trace per configuration and rank, for Perfetto), summary.txt (one line per step), summary.md (the
 # parts of each configuration's step, rank by rank). Exits non-zero if a step fails or is skipped, or a
 # configuration did not run.
@@ -29,6 +29,7 @@ P="-m megatron_cp_plugin.bench.decode --model --profile --profile-steps $STEPS -
 
 step N 60 python3 -m megatron_cp_plugin.bench norm --out "$OUT/norm"     # the fused norm against torch's
 step BA 60 python3 -m megatron_cp_plugin.bench bias-add --out "$OUT/bias_add"   # the fused bias + residual add
+step G 90 python3 -m megatron_cp_plugin.bench gemv --out "$OUT/gemv"           # the fused linears against cuBLAS
 step A 150 torchrun --nproc-per-node 1 $P --context 32768 131072 --out "$OUT/profile_cp1"
 if [ "$GPUS" -ge 2 ]; then
   step B 150 torchrun --nproc-per-node 2 $P --context 131072 --out "$OUT/profile_cp2"

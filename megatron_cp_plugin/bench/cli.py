@@ -29,6 +29,7 @@ SUBCOMMANDS = {
     "merge": ("megatron_cp_plugin.bench.merge", "the fused (o, lse) merge and fp32 accumulation vs PyTorch's ops"),
     "norm": ("megatron_cp_plugin.bench.norm", "the decode step's fused RMSNorm / LayerNorm vs torch's modules"),
     "bias-add": ("megatron_cp_plugin.bench.bias_add", "the decode step's fused bias + residual add vs torch's two"),
+    "gemv": ("megatron_cp_plugin.bench.gemv", "the decode step's fused linear (bias, GELU) vs cuBLAS + torch's ops"),
     "surrogate": ("megatron_cp_plugin.bench.surrogate", "the fused surrogate-O kernel vs its PyTorch reference"),
     "rank": ("megatron_cp_plugin.bench.rank_replay", "one rank's local work per algorithm on one device, vs ideal"),
     "cost-model": ("megatron_cp_plugin.bench.cost_report", "the cost model's tables (--table), one problem (--seq)"),

@@ -12,6 +12,7 @@ import contextlib
 
 import torch
 
+from ..kernels import gemv as _gemv
 from ..kernels.bias_add import fused_bias_gelu, fused_bias_residual
 from ..kernels.norm import fused_norm
 from ..megatron.rope import RopeWrapper, gpt_of, rope_rows
@@ -40,17 +41,18 @@ class FusedNorm(torch.nn.Module):
 
 class FusedBiasDropoutAdd:
     """Stands in for a transformer layer's `self_attn_bda` / `mlp_bda` (megatron-core's get_bias_dropout_add):
-    in eval, with a bias and x, residual of one dtype and shape, the bias and residual adds in one kernel
-    (kernels/bias_add.py, torch's result bit for bit; its output needs no gradient, as a decode step's); anything
-    else (training, no bias, an fp32 residual stream, inputs that need gradients) goes to the layer's own
-    function."""
+    in eval and unfused, with a bias and x, residual of one dtype and shape, the bias and residual adds in one
+    kernel (kernels/bias_add.py, torch's two adds bit for bit; its output needs no gradient, as a decode step's);
+    anything else goes to the layer's own function: training, no bias, an fp32 residual stream, inputs that need
+    gradients, and `bias_dropout_fusion` (megatron-core's jit_fuser compiles that path into one kernel already,
+    which adds in fp32 and rounds once: on an H100 its bits differ from two rounded adds, 2026-11-26)."""
 
     def __init__(self, inner):
         self.inner = inner
 
     def __call__(self, training: bool, fused: bool):
         own = self.inner(training, fused)
-        if training:
+        if training or fused:
             return own
 
         def bda(x_with_bias, residual, prob):
@@ -82,6 +84,61 @@ class FusedBiasGelu(torch.nn.Module):
         return fused_bias_gelu(out, bias), None
 
 
+class FusedLinear(torch.nn.Module):
+    """Stands in for a layer's linear (megatron-core's ColumnParallelLinear or RowParallelLinear, one tensor-parallel
+    rank): a decode step's few rows through one kernel (kernels/gemv.py) with, where `fuse_bias`, the bias added and,
+    where `gelu`, GELU applied in the same kernel; the result comes back with no separate bias, so that a
+    bias-dropout-add after it adds the residual alone and an MLP whose fc1 this is with gelu applies the identity.
+    Without fuse_bias the bias comes back separate, as the layer's own. What the kernel does not take (more than
+    gemv.MAX_ROWS rows, fp64, a CPU, a weight passed in) goes to the layer's own forward, then its bias and GELU as
+    megatron-core would apply them (FusedBiasGelu)."""
+
+    def __init__(self, inner, *, fuse_bias: bool = True, gelu: bool = False):
+        super().__init__()
+        self.inner, self.fuse_bias, self.gelu = inner, fuse_bias, gelu
+        self.fallback = FusedBiasGelu(inner) if gelu else inner
+
+    def forward(self, x, *args, **kwargs):
+        inner = self.inner
+        bias = inner.bias if self.fuse_bias else None
+        if not args and kwargs.get("weight") is None and _gemv.takes(x, inner.weight, bias):
+            y = _gemv.gemv(x, inner.weight, bias, gelu=self.gelu)
+            return y, (None if self.fuse_bias or not inner.skip_bias_add else inner.bias)
+        return self.fallback(x, *args, **kwargs)
+
+
+LINEAR_SLOTS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+"""The attention's and MLP's linears FusedLinear stands in for (megatron-core 0.16.1 and 0.19.2 local spec)."""
+
+
+def _one_rank_linear(m) -> bool:
+    """megatron-core's own Column/RowParallelLinear (not TE's) on one tensor-parallel rank, not an expert's."""
+    name = type(m).__name__
+    if name == "ColumnParallelLinear":
+        whole = m.output_size_per_partition == m.output_size
+    elif name == "RowParallelLinear":
+        whole = m.input_size_per_partition == m.input_size
+    else:
+        return False
+    return whole and not getattr(m, "is_expert", False) and getattr(m, "weight", None) is not None
+
+
+def linear_slots(model) -> list[tuple[torch.nn.Module, str, bool, bool]]:
+    """(parent, attribute, fuse_bias, gelu) of every linear of `model`'s layers FusedLinear can take: the bias is
+    fused where the layer adds it itself (skip_bias_add off), where a bias-dropout-add takes it (linear_proj,
+    linear_fc2) and into a plain-GELU MLP's fc1 with GELU (bias_gelu_mlps); any other fc1 keeps its bias apart."""
+    gelu_mlps = {id(m) for m in bias_gelu_mlps(model)}
+    out = []
+    for parent in model.modules():
+        for name in LINEAR_SLOTS:
+            m = getattr(parent, name, None)
+            if isinstance(m, torch.nn.Module) and not isinstance(m, FusedLinear) and _one_rank_linear(m):
+                gelu = name == "linear_fc1" and id(parent) in gelu_mlps
+                fuse = gelu or not m.skip_bias_add or name in ("linear_proj", "linear_fc2")
+                out.append((parent, name, fuse, gelu))
+    return out
+
+
 def _identity(x):
     return x
 
@@ -93,7 +150,7 @@ def bias_gelu_mlps(model) -> list:
     for m in model.modules():
         cfg = getattr(m, "config", None)
         if (isinstance(getattr(m, "linear_fc1", None), torch.nn.Module) and hasattr(m, "linear_fc2")
-                and not isinstance(m.linear_fc1, FusedBiasGelu) and getattr(m, "activation_func", None)
+                and not isinstance(m.linear_fc1, (FusedBiasGelu, FusedLinear)) and getattr(m, "activation_func", None)
                 is torch.nn.functional.gelu and cfg is not None and not cfg.gated_linear_unit
                 and not cfg.bias_activation_fusion and not getattr(cfg, "use_te_activation_func", False)):
             out.append(m)
@@ -125,11 +182,14 @@ def norm_slots(model) -> list[tuple[torch.nn.Module, str]]:
 
 
 @contextlib.contextmanager
-def swapped(model, *, core=None, rope=None, owners=None, norms: bool = False, bda: bool = False):
+def swapped(model, *, core=None, rope=None, owners=None, norms: bool = False, bda: bool = False,
+            linears: bool = False):
     """Inside the block, owner i's core_attention is core(its own, i) (owners: core_owners(model) unless given),
     the model's rotary_pos_emb is rope(its own) (when it has one), with norms every RMSNorm and LayerNorm a
-    FusedNorm of itself and with bda every layer's bias-dropout-adds a FusedBiasDropoutAdd of themselves and every
-    plain-GELU MLP's fc1 a FusedBiasGelu (its activation the identity); the model's own are restored after."""
+    FusedNorm of itself, with bda every layer's bias-dropout-adds a FusedBiasDropoutAdd of themselves and every
+    plain-GELU MLP's fc1 a FusedBiasGelu (its activation the identity), and with linears every linear of
+    linear_slots a FusedLinear (a plain-GELU fc1 with GELU, its activation the identity); the model's own are
+    restored after."""
     owners = core_owners(model) if owners is None else owners
     gpt = gpt_of(model)
     saved = [m.core_attention for m in owners]
@@ -138,7 +198,10 @@ def swapped(model, *, core=None, rope=None, owners=None, norms: bool = False, bd
     own_norms = [getattr(p, n) for p, n in slots]
     adds = bda_slots(model) if bda else []
     own_adds = [getattr(p, n) for p, n in adds]
-    mlps = bias_gelu_mlps(model) if bda else []
+    lins = linear_slots(model) if linears else []
+    own_lins = [getattr(p, n) for p, n, _, _ in lins]
+    mlps = [m for m in bias_gelu_mlps(model) if not any(p is m and g for p, _, _, g in lins)] if bda else []
+    gelu_off = [p for p, _, _, g in lins if g] + mlps
     try:
         if core is not None:
             for i, m in enumerate(owners):
@@ -149,8 +212,12 @@ def swapped(model, *, core=None, rope=None, owners=None, norms: bool = False, bd
             setattr(p, n, FusedNorm(inner))
         for (p, n), inner in zip(adds, own_adds):
             setattr(p, n, FusedBiasDropoutAdd(inner))
+        for (p, n, fuse, gelu), inner in zip(lins, own_lins):
+            setattr(p, n, FusedLinear(inner, fuse_bias=fuse, gelu=gelu))
         for m in mlps:
-            m.linear_fc1, m.activation_func = FusedBiasGelu(m.linear_fc1), _identity
+            m.linear_fc1 = FusedBiasGelu(m.linear_fc1)
+        for m in gelu_off:
+            m.activation_func = _identity
         yield
     finally:
         for m, c in zip(owners, saved):
@@ -161,9 +228,13 @@ def swapped(model, *, core=None, rope=None, owners=None, norms: bool = False, bd
             setattr(p, n, inner)
         for (p, n), inner in zip(adds, own_adds):
             setattr(p, n, inner)
+        for (p, n, _, _), inner in zip(lins, own_lins):
+            setattr(p, n, inner)
         for m in mlps:
             if isinstance(m.linear_fc1, FusedBiasGelu):
-                m.linear_fc1, m.activation_func = m.linear_fc1.inner, torch.nn.functional.gelu
+                m.linear_fc1 = m.linear_fc1.inner
+        for m in gelu_off:
+            m.activation_func = torch.nn.functional.gelu
 
 
 class KeepPrefill(torch.nn.Module):

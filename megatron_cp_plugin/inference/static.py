@@ -215,11 +215,12 @@ class StaticDecoder:
 
     # ------------------------------------------------------------------------------------------ the step
     def _swapped(self):
-        """The step's forward reaches the model through the static core attention and RoPE, and its norms and
-        bias-residual adds through one fused kernel each on a GPU (inference/hooks.py)."""
+        """The step's forward reaches the model through the static core attention and RoPE, and on a GPU its norms,
+        bias-residual adds and linears (bias and GELU in the same kernel) through one fused kernel each
+        (inference/hooks.py)."""
         gpu = self.device.type == "cuda"
         return swapped(self.model, owners=self.owners, core=lambda c, i: _StaticCore(c, i, self),
-                       rope=lambda r: _StaticRope(r, self), norms=gpu, bda=gpu)
+                       rope=lambda r: _StaticRope(r, self), norms=gpu, bda=gpu, linears=gpu)
 
     def _body(self):
         """One decode step on device tensors only (what the graph captures)."""

@@ -1,0 +1,149 @@
+"""A decode step's linear layers: a few rows times a weight matrix, the bias (and GELU) in the same kernel.
+
+At batch 1-8 a decode step's linear layers are matrix-vector products: each reads its whole weight once and does
+two flops per byte, so its time is the weight's bytes over the memory bandwidth. cuBLAS picks split-K GEMM
+kernels for them, plus a split-K reduce kernel where K is long, and megatron-core adds the bias and applies GELU in
+further kernels. Profiled on one H100 (the 8B decode shape, 32 layers, graphed, 2026-11-26): the weights ran at
+2.6 TB/s of the 3.0 TB/s a copy reaches (QKV 2.4, the attention projection 2.1 with its reduce, fc1 2.8, fc2 2.7),
+and per layer five kernels beside the four GEMMs (QKV's bias add, two split-K reduces, fc1's bias + GELU) cost
+~12 us with their ~0.45 us gaps. Here one kernel per linear: each program streams BLOCK_N rows of the weight
+over all of K (no split, so no reduce kernel), multiplies them with the M <= MAX_ROWS input rows in fp32, adds the
+bias, applies GELU where asked, and rounds once:
+
+    y = gemv(x [..., K], weight [N, K], bias [N] | None, gelu=False)     x @ weight.T (+ bias) (-> GELU)
+
+`gemv_reference` is the plain-PyTorch definition (fp32 accumulation, one rounding) and the path off CUDA, for
+fp64, for more than MAX_ROWS rows or without Triton. The sums run in another order than cuBLAS's, so results
+differ from F.linear's in the last bits (tests/test_gemv.py holds them to the definition); a decode step that
+uses this kernel graphed uses it eagerly too, so graphed and eager tokens stay equal.
+"""
+from __future__ import annotations
+
+import torch
+
+from .flash_decode import available
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = tl = None
+
+MAX_ROWS = 16
+"""Input rows the kernel takes (one tl.dot tile; batch 1 uses a row path without it); more go to the reference."""
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+"""What the kernel takes (it accumulates in fp32); fp64 (the CPU and shared-GPU tests' models) takes the reference."""
+
+
+def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                   gelu: bool = False) -> torch.Tensor:
+    """The definition: x @ weight.T in fp32 (+ bias), exact GELU where asked, rounded once to x's dtype."""
+    y = x.float() @ weight.float().T
+    if bias is not None:
+        y = y + bias.float()
+    if gelu:
+        y = torch.nn.functional.gelu(y)
+    return y.to(x.dtype)
+
+
+def config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for m rows of an [n, k] weight, from one sweep of 36 configurations
+    per path on one H100 (`megatron-cp-bench gemv --sweep`, 2026-11-26; us per call against torch's matmul + bias
+    (+ GELU), each graphed, weights not in L2):
+      one row, 4 rows x 1024 a step (1024-4096 programs, the whole of K per program; the fastest or within 1 % for
+      every shape), 8 warps for the wide fc1 (42.8 against 44.8 us with 4; torch 47.1), 4 for the rest (QKV 21.7
+      against 22.9, the projection 14.6 against 18.9, fc2 43.6 against 47.0);
+      2-16 rows, tl.dot tiles of 32 rows, 3 stages, BLOCK_K falling as n grows (QKV 20.9 against 24.7, the
+      projection 14.8 against 20.4, fc1 43.2 against 50.5, fc2 42.6 against 48.7 us at 8 rows)."""
+    if m == 1:
+        return 4, 1024, 8 if n > 8192 else 4, 4
+    return 32, 512 if n <= 4096 else 256 if n <= 8192 else 128, 4, 3
+
+
+if triton is not None:
+    @triton.jit
+    def _gemv_kernel(X, W, B, Y, M, N, K, sx, sy, HAS_BIAS: tl.constexpr, GELU: tl.constexpr,
+                     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        nm = rn < N
+        w_rows = W + rn.to(tl.int64)[:, None] * K
+        if ROWS == 1:
+            # one row: multiply-accumulate elementwise, one reduction over K at the end
+            acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                rk = k0 + tl.arange(0, BLOCK_K)
+                km = rk < K
+                x = tl.load(X + rk, mask=km, other=0.0).to(tl.float32)
+                w = tl.load(w_rows + rk[None, :], mask=nm[:, None] & km[None, :], other=0.0).to(tl.float32)
+                acc2 += w * x[None, :]
+            acc = tl.sum(acc2, 1)[None, :]                                       # [1, BLOCK_N]
+            rm = tl.arange(0, 1)
+        else:
+            rm = tl.arange(0, ROWS)
+            mm = rm < M
+            acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                rk = k0 + tl.arange(0, BLOCK_K)
+                km = rk < K
+                x = tl.load(X + rm[:, None] * sx + rk[None, :], mask=mm[:, None] & km[None, :], other=0.0)
+                w = tl.load(w_rows + rk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+                if UPCAST:
+                    x, w = x.to(tl.float32), w.to(tl.float32)
+                acc += tl.dot(x, tl.trans(w))
+        if HAS_BIAS:
+            acc += tl.load(B + rn, mask=nm, other=0.0).to(tl.float32)[None, :]
+        if GELU:
+            acc = acc * 0.5 * (1.0 + tl.math.erf(acc * 0.7071067811865476))                   # exact GELU
+        tl.store(Y + rm[:, None] * sy + rn[None, :], acc.to(Y.dtype.element_ty),
+                 mask=(rm < M)[:, None] & nm[None, :])
+
+    # Triton's CPU interpreter (3.6) returns garbage from tl.dot on bf16 operands (fp32 ones are right): there the
+    # tile goes up to fp32 first, exactly (a bf16 product is exact in fp32). Compiled, bf16 and fp16 stay.
+    _INTERPRETED = type(_gemv_kernel).__name__ == "InterpretedFunction"
+
+
+def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether gemv runs its kernel on these operands: CUDA, Triton, one dtype of DTYPES, a contiguous
+    weight, at most MAX_ROWS rows of contiguous last dimension, nothing that needs a gradient."""
+    return (x.device.type == "cuda" and available(x.device) and x.dtype in DTYPES and weight.dtype == x.dtype
+            and weight.dim() == 2 and weight.is_contiguous() and x.shape[-1] == weight.shape[1]
+            and x.numel() // max(x.shape[-1], 1) <= MAX_ROWS and x.stride(-1) == 1
+            and (bias is None or (bias.dtype == x.dtype and tuple(bias.shape) == (weight.shape[0],)
+                                  and bias.is_contiguous()))
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                                  or (bias is not None and bias.requires_grad))))
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, gelu: bool = False,
+         backend: str | None = None) -> torch.Tensor:
+    """x [..., K] @ weight [N, K].T (+ bias [N]) (-> exact GELU): [..., N] of x's dtype, a new tensor.
+    backend None: the kernel where `takes` says so, the reference elsewhere; "triton" forces the kernel
+    (Triton's CPU interpreter in tests) and raises where it cannot take the operands."""
+    K = x.shape[-1]
+    if weight.dim() != 2 or weight.shape[1] != K:
+        raise ValueError(f"gemv: weight must be [N, {K}] (x's last dimension), got {tuple(weight.shape)}")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"gemv: bias must be [{weight.shape[0]}] (weight's rows), got {tuple(bias.shape)}")
+    if backend == "triton":
+        ok = (triton is not None and x.dtype in DTYPES and weight.dtype == x.dtype and weight.is_contiguous()
+              and x.numel() // max(K, 1) <= MAX_ROWS and (bias is None or bias.dtype == x.dtype))
+        if not ok:
+            raise ValueError(f"gemv: backend='triton' needs Triton, one dtype of {DTYPES} for x, weight and bias, a "
+                             f"contiguous weight and at most {MAX_ROWS} rows")
+    elif not takes(x, weight, bias):
+        return gemv_reference(x, weight, bias, gelu=gelu)
+    N = weight.shape[0]
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    y = torch.empty(M, N, device=x.device, dtype=x.dtype)
+    if M:
+        bn, bk, warps, stages = config(M, N, K)
+        rows = 1 if M == 1 else MAX_ROWS
+        _gemv_kernel[(triton.cdiv(N, bn),)](x2, weight, weight if bias is None else bias, y, M, N, K,
+                                             x2.stride(0), y.stride(0), HAS_BIAS=bias is not None, GELU=gelu,
+                                             ROWS=rows, BLOCK_N=bn, BLOCK_K=bk,
+                                             UPCAST=_INTERPRETED and x.dtype != torch.float32, num_warps=warps,
+                                             num_stages=stages)
+    return y.reshape(*x.shape[:-1], N)

@@ -1,0 +1,112 @@
+"""The decode step's fused linear (kernels/gemv.py) against its fp32 definition and an fp64 one; on CPU through
+Triton's interpreter (conftest sets TRITON_INTERPRET=1), on GPUs the compiled kernel. And the stand-in
+(inference/hooks.FusedLinear) that the static decode step swaps in for a layer's linears, on a real GPTModel."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_cp_plugin.kernels import gemv as G
+from megatron_cp_plugin.kernels.flash_decode import available
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _exact(x, w, b, gelu):
+    y = x.double() @ w.double().T + (0 if b is None else b.double())
+    return torch.nn.functional.gelu(y) if gelu else y
+
+
+def _tolerance(x, w, y_exact, dtype):
+    """One rounding of the output (two ulps where Triton's CPU interpreter truncates bf16), plus fp32 accumulation
+    over K terms (through GELU's slope, at most 1.13)."""
+    ulp = torch.finfo(dtype).eps * (2 if DEV.type == "cpu" and dtype == torch.bfloat16 else 1)
+    acc = (x.double().abs() @ w.double().abs().T) * x.shape[-1] * torch.finfo(torch.float32).eps
+    return ulp * y_exact.abs() + 1.2 * acc + 1e-30
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("bias, gelu", [(True, False), (True, True), (False, False)])
+def test_gemv_is_the_fp32_definition(rows, dtype, bias, gelu):
+    if not available(DEV):
+        pytest.skip("SKIPPED LOUDLY: triton not installed")
+    g = torch.Generator().manual_seed(rows)
+    n, k = 50, 2100                            # odd sizes: a partial block of rows and of K (1024 / 512 a step)
+    x = torch.randn(1, rows, k, generator=g).to(DEV, dtype)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(DEV, dtype)
+    b = torch.randn(n, generator=g).to(DEV, dtype) if bias else None
+    y = G.gemv(x, w, b, gelu=gelu, backend="triton")
+    assert y.shape == (1, rows, n) and y.dtype == dtype
+    exact = _exact(x, w, b, gelu)
+    tol = _tolerance(x, w, exact, dtype)
+    assert ((y.double() - exact).abs() <= tol).all()
+    assert ((G.gemv_reference(x, w, b, gelu=gelu).double() - exact).abs() <= tol).all()
+
+
+def test_gemv_takes_the_reference_where_the_kernel_cannot():
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(8, 32, generator=g, dtype=torch.float64), torch.randn(8, generator=g, dtype=torch.float64)
+    x = torch.randn(2, 32, generator=g, dtype=torch.float64)
+    assert not G.takes(x, w, b) and torch.equal(G.gemv(x, w, b), G.gemv_reference(x, w, b))   # fp64
+    many = torch.randn(G.MAX_ROWS + 1, 32, generator=g).to(DEV)
+    assert not G.takes(many, w.float().to(DEV)) and torch.equal(G.gemv(many, w.float().to(DEV)),
+                                                                G.gemv_reference(many, w.float().to(DEV)))
+    with pytest.raises(ValueError, match=r"weight must be \[N, 32\]"):
+        G.gemv(x, w.T)
+    with pytest.raises(ValueError, match=r"bias must be \[8\]"):
+        G.gemv(x, w, b[:4])
+    with pytest.raises(ValueError, match="backend='triton' needs"):
+        G.gemv(x, w, b, backend="triton")
+
+
+def _gpt_logits(rank, world, dtype_name):
+    """In a worker: the tiny GPT's logits for one decode-sized input (2 tokens of one sequence) without and with
+    the linears stood in for (FusedLinear, the kernel forced on this device), and what was stood in for."""
+    import warnings
+    warnings.filterwarnings("ignore")
+    from megatron.core import parallel_state as ps
+
+    from megatron_cp_plugin.inference import hooks
+    from megatron_cp_plugin.megatron import CPConfig
+    from megatron_cp_plugin.megatron.model import build_gpt, tiny_config
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(context_parallel_size=1)
+    torch.manual_seed(0)
+    dtype = getattr(torch, dtype_name)
+    model = build_gpt(tiny_config(cp_size=1, dtype=dtype), CPConfig(algo="ring", cp_size=1), vocab_size=257,
+                      seq_length=16, cp_group=ps.get_context_parallel_group()).to(DEV).eval()
+    tokens = torch.randint(0, 257, (1, 2), generator=torch.Generator().manual_seed(1)).to(DEV)
+    pos = torch.arange(2, device=DEV)[None]
+    found = hooks.linear_slots(model)
+    slots = [(n, fuse, gelu) for _, n, fuse, gelu in found]
+    owns = [getattr(p, n) for p, n, _, _ in found]
+    takes, gemv = G.takes, G.gemv
+    G.takes = lambda x, w, b=None: x.dtype in G.DTYPES and x.numel() // x.shape[-1] <= G.MAX_ROWS
+    G.gemv = lambda *a, **k: gemv(*a, **k, backend="triton")
+    try:
+        with torch.no_grad():
+            want = model(tokens, pos, None)
+            with hooks.swapped(model, linears=True, bda=True):
+                stood = [type(getattr(p, n)).__name__ for p, n, _, _ in found]
+                got = model(tokens, pos, None)
+    finally:
+        G.takes, G.gemv = takes, gemv
+    back = [getattr(p, n) for p, n, _, _ in found]
+    return (want.float().cpu(), got.float().cpu(), slots, stood, all(a is b for a, b in zip(owns, back)),
+            [m.activation_func is torch.nn.functional.gelu for m in hooks.bias_gelu_mlps(model)])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_linears_stand_in_for_a_gpt_models_and_give_its_logits(pools, dtype):
+    if not available(DEV):
+        pytest.skip("SKIPPED LOUDLY: triton not installed")
+    want, got, slots, stood, restored, gelu_back = pools(1).run(_gpt_logits, dtype)[0]
+    layers = len(slots) // 4
+    assert layers >= 2 and [n for n, _, _ in slots] == ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"] * layers
+    # every bias in the kernel; fc1 (megatron-core's plain GELU MLP) with GELU
+    assert all(fuse for _, fuse, _ in slots) and [g for n, _, g in slots if n == "linear_fc1"] == [True] * layers
+    assert stood == ["FusedLinear"] * len(slots) and restored and gelu_back == [True] * layers
+    # the same logits up to the kernel's order of summation (and, in bf16, one rounding of each linear less)
+    scale = want.abs().max()
+    assert (got - want).abs().max() <= (1e-5 if dtype == "float32" else 0.05) * scale
