@@ -19,9 +19,10 @@ def _exact(x, w, b, gelu):
 
 def _tolerance(x, w, y_exact, dtype):
     """One rounding of the output (two ulps where Triton's CPU interpreter truncates bf16), plus fp32 accumulation
-    over K terms (through GELU's slope, at most 1.13)."""
+    (through GELU's slope, at most 1.13): 16 fp32 ulps of sum |x w|, where K = 2100 terms could in the worst case
+    lose 2100, but blocked sums of random terms lose ~sqrt(K); TF32 products (2^-11 each) would lose ~0.02 of it."""
     ulp = torch.finfo(dtype).eps * (2 if DEV.type == "cpu" and dtype == torch.bfloat16 else 1)
-    acc = (x.double().abs() @ w.double().abs().T) * x.shape[-1] * torch.finfo(torch.float32).eps
+    acc = (x.double().abs() @ w.double().abs().T) * 16 * torch.finfo(torch.float32).eps
     return ulp * y_exact.abs() + 1.2 * acc + 1e-30
 
 

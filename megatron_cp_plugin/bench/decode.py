@@ -21,8 +21,9 @@ so no layer finds its KV in L2). Timing: barrier, synchronize, CUDA events aroun
 --iters steps, the slowest rank counting. "(CUDA graph)" rows replay the same step captured as one graph,
 as a serving engine runs decode; "cuDNN local" rows use the prefill kernel instead of split-KV
 flash-decoding for the local step (what tree decoding used before kernels/flash_decode.py).
-Byte formula in the header. floor_ms: the step's KV read at the GPU's memory bandwidth (H200 4.3 TB/s, H100
-3.0, else measured; --mem-bw overrides); x_floor = step_ms / floor_ms.
+Byte formula in the header. floor_ms: the step's KV read at the GPU's memory bandwidth, measured at the start of
+the run (inference/floor.memory_bandwidth: the higher of a copy and a read; the header gives both and the nominal;
+--mem-bw overrides); x_floor = step_ms / floor_ms.
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ import megatron_cp_plugin as mcp
 from megatron_cp_plugin.algos.ring_decode import ring_decode
 from megatron_cp_plugin.algos.tree_decode import VARIANTS
 from megatron_cp_plugin.bench._common import gather_max, init_distributed, not_fitting, time_ms, write_report
-from megatron_cp_plugin.inference.floor import memory_bandwidth
+from megatron_cp_plugin.inference.floor import bandwidth_note, memory_bandwidth
 from megatron_cp_plugin.kernels.local_attn import decode_fwd
 
 
@@ -213,7 +214,7 @@ def attention_bench(a, rank: int, world: int, dev, bw: float) -> None:
                   f"layer: tree moves (o, lse) = b*h*(d+1)*4 = {a.heads * (a.head_dim + 1) * 4} B per all-reduce; "
                   f"ring-decode moves (P-1) shards of context/P * 2*h_kv*d*2 = {kv_bytes} B per token; the local "
                   f"step reads context/P * {kv_bytes} B. floor_ms = layers * context/P * {kv_bytes} B / "
-                  f"{bw / 1e12:.2f} TB/s (the KV read alone); x_floor = step_ms / floor_ms.")
+                  f"{bandwidth_note(dev, bw)} (the KV read alone); x_floor = step_ms / floor_ms.")
         print(write_report(rows, a.out, header, plot=("context", "step_ms", "method")), flush=True)
 
 

@@ -169,7 +169,7 @@ def finish(rows: list[dict], out: str, header: str, rank: int, model, ps) -> lis
 def model_bench(a, rank: int, world: int, dev, bw: float | None) -> list[dict]:
     """The token check and the latency rows (module docstring); rank 0 prints each row as it comes, keeps the
     report (a.out .json / .md) up to date after each, and prints the table at the end. Returns the rows."""
-    from megatron_cp_plugin.inference.floor import decode_floor, weight_bytes
+    from megatron_cp_plugin.inference.floor import bandwidth_note, decode_floor, weight_bytes
     from megatron_cp_plugin.inference.static import StaticDecoder
     from megatron_cp_plugin.inference.token_check import variety
 
@@ -182,7 +182,7 @@ def model_bench(a, rank: int, world: int, dev, bw: float | None) -> list[dict]:
               f"{world} x {name}, CP = {world}. Latency rows: the KV cache filled with random K, V (no prefill), "
               "the static step (inference/static.py) replayed as one CUDA graph ('graph') or run eagerly; median "
               f"of {a.tokens} steps (eager: a quarter), slowest rank. floor_ms = (weights + this rank's KV shard) "
-              f"/ {(bw or float('nan')) / 1e12:.2f} TB/s. not_run: why a row did not run here.")
+              f"/ {bandwidth_note(dev, bw)}. not_run: why a row did not run here.")
     rows: list[dict] = []
 
     def emit(row: dict, line: str) -> None:

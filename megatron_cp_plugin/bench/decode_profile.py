@@ -238,6 +238,7 @@ def profile_bench(a, rank: int, world: int, dev, bw: float | None) -> list[dict]
     configuration, keeps the report (a.out .json / .md) current and prints the table at the end."""
     from megatron_cp_plugin.bench.decode_model import (TIMED_WARMUP, VOCAB, _build, _release, config_bytes,
                                                        finish, latency_capacity, latency_configs)
+    from megatron_cp_plugin.inference.floor import bandwidth_note
     from megatron_cp_plugin.inference.static import StaticDecoder
 
     if a.profile_steps < 1:
@@ -249,8 +250,8 @@ def profile_bench(a, rank: int, world: int, dev, bw: float | None) -> list[dict]
               f"the static step on a random K, V cache, {a.profile_steps} steps under torch.profiler (means per "
               "step, each rank). part: kernels by name (bench/decode_profile.KERNEL_CLASSES); busy: union of "
               "their intervals; idle = wall - busy; must_read_MB: bytes the part must read (exchange, merge: "
-              f"the gathered (o, lse)); GBps = must_read / us; of_bw = GBps / {(bw or float('nan')) / 1e12:.2f} "
-              "TB/s (the floor's bandwidth); wall's must_read = the floor's bytes; events_ms: median step from "
+              f"the gathered (o, lse)); GBps = must_read / us; of_bw = GBps / the floor's bandwidth, "
+              f"{bandwidth_note(dev, bw)}; wall's must_read = the floor's bytes; events_ms: median step from "
               "CUDA events (perf_counter on the CPU).")
     rows: list[dict] = []
     trace_dir = a.out + "_traces"

@@ -63,7 +63,7 @@ def _args(argv=None):
     g.add_argument("--decode-mode", choices=("graph", "eager"), default=None,
                    help="replay the decode step as a CUDA graph (default on GPUs) or run it eagerly")
     g.add_argument("--mem-bw", type=float, default=None, metavar="TB/s",
-                   help="memory bandwidth for the floor (default: H200 4.3, H100 3.0, else measured)")
+                   help="memory bandwidth for the floor (default: measured in the run, the higher of a copy and a read)")
     g.add_argument("--result-json", default=None, metavar="PATH", help="rank 0 writes tokens and timings here")
     defaults = {name: p.get_default(name) for name in MODEL_ARGS}
     p.set_defaults(**{name: None for name in MODEL_ARGS})      # None = not given, so a checkpoint can fill it

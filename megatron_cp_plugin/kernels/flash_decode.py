@@ -246,8 +246,11 @@ def num_splits_for(b: int, h_kv: int, s: int) -> int:
 
 
 def flash_decode(q, k, v, *, scale: float | None = None, kv_positions=None, q_positions=None,
-                 num_splits: int | None = None, kv_lengths=None, workspace: Workspace | None = None, out=None):
-    """Partial attention of q [b, n_q, h, d] over k, v [b, s, h_kv, d]: (o [b, n_q, h, d] fp32, lse [b, h, n_q] fp32).
+                 num_splits: int | None = None, kv_lengths=None, workspace: Workspace | None = None, out=None,
+                 out_dtype=torch.float32):
+    """Partial attention of q [b, n_q, h, d] over k, v [b, s, h_kv, d]: (o [b, n_q, h, d] out_dtype (fp32 by
+    default; q's dtype where o is the final output: the combine rounds once and no cast kernel follows),
+    lse [b, h, n_q] fp32).
 
     kv_lengths [b] (int, on q's device): row i reads keys [0, kv_lengths[i]) only (with kv_positions, both
     apply). out = (o_rows [b * h_kv * n_q * g, d] fp32, lse_rows [same] fp32): where the merged rows go, in
@@ -291,7 +294,7 @@ def flash_decode(q, k, v, *, scale: float | None = None, kv_positions=None, q_po
                             or out[1].dtype != torch.float32 or not out[0].is_contiguous()):
         raise ValueError(f"flash_decode: out must be (fp32 [{rows}, {d}] contiguous, fp32 [{rows}])")
     o_rows, l_rows = _merge(part_o, part_l, b * h_kv, splits, n_q * g, block_m, splits * block_m,
-                            *(out if out is not None else (None, None)))
+                            *(out if out is not None else (None, None)), out_dtype=out_dtype)
     # Rows are (t, j) per KV head: back to [b, n_q, h, d] and [b, h, n_q] (head = kv head * g + j).
     o = o_rows.view(b, h_kv, n_q, g, d).permute(0, 2, 1, 3, 4).reshape(b, n_q, h, d)
     lse = l_rows.view(b, h_kv, n_q, g).permute(0, 1, 3, 2).reshape(b, h, n_q)

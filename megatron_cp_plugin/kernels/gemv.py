@@ -63,7 +63,8 @@ def config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
 if triton is not None:
     @triton.jit
     def _gemv_kernel(X, W, B, Y, M, N, K, sx, sy, HAS_BIAS: tl.constexpr, GELU: tl.constexpr,
-                     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+                     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+                     PRECISION: tl.constexpr):
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         nm = rn < N
         w_rows = W + rn.to(tl.int64)[:, None] * K
@@ -89,7 +90,7 @@ if triton is not None:
                 w = tl.load(w_rows + rk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
                 if UPCAST:
                     x, w = x.to(tl.float32), w.to(tl.float32)
-                acc += tl.dot(x, tl.trans(w))
+                acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
         if HAS_BIAS:
             acc += tl.load(B + rn, mask=nm, other=0.0).to(tl.float32)[None, :]
         if GELU:
@@ -144,6 +145,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         _gemv_kernel[(triton.cdiv(N, bn),)](x2, weight, weight if bias is None else bias, y, M, N, K,
                                              x2.stride(0), y.stride(0), HAS_BIAS=bias is not None, GELU=gelu,
                                              ROWS=rows, BLOCK_N=bn, BLOCK_K=bk,
-                                             UPCAST=_INTERPRETED and x.dtype != torch.float32, num_warps=warps,
+                                             UPCAST=_INTERPRETED and x.dtype != torch.float32,
+                                             # fp32 operands: Triton's default is TF32 (1e-3 off on an H100)
+                                             PRECISION="ieee" if x.dtype == torch.float32 else None, num_warps=warps,
                                              num_stages=stages)
     return y.reshape(*x.shape[:-1], N)
