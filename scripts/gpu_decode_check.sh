@@ -34,7 +34,7 @@ for n in 1 2; do
   step "B_cp$n" 70 torchrun --nproc-per-node $n -m megatron_cp_plugin.inference.cli $M --prompt-file /tmp/prompt_4096.txt \
     --max-new-tokens 32 --context-parallel-algo ring --decode-mode graph --result-json "$OUT/cp$n.json"
 done
-for dec in tree ring; do
+for dec in $([ "${E2E:-1}" = 1 ] && echo tree ring); do     # E2E=0 skips C (the 128k end-to-end runs, ~150 s)
   step "C_$dec" 75 torchrun --nproc-per-node 2 -m megatron_cp_plugin.inference.cli $M --bf16 \
     --prompt-file /tmp/prompt_131072.txt --max-new-tokens 32 --context-parallel-algo ring --decoder $dec \
     --decode-mode graph --result-json "$OUT/e2e_$dec.json"
