@@ -17,15 +17,8 @@ import torch
 
 from megatron_cp_plugin.bench._common import not_fitting, time_ms, write_report
 from megatron_cp_plugin.kernels.flash_decode import flash_decode
+from megatron_cp_plugin.inference.floor import copy_bandwidth
 from megatron_cp_plugin.kernels.local_attn import unsupported, block_fwd
-
-
-def copy_bandwidth(dev) -> float:
-    """Bytes/s of a device-to-device copy of 1 GiB (read + write counted)."""
-    x = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
-    y = torch.empty_like(x)
-    ms = time_ms(lambda: y.copy_(x), warmup=3, iters=10)
-    return 2 * x.numel() / (ms * 1e-3)
 
 
 def context_bytes(context: int, kv_heads: int, head_dim: int) -> int:

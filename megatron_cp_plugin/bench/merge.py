@@ -7,7 +7,7 @@ Per row count (query rows of one block; 32 heads, d = 128): o [1, rows, h, d] fp
 merged with a bf16 block (o_blk) and its fp32 lse; an fp32 accumulator row slice acc[:, rows] of a tensor twice
 as long, added into (and set from, copy=True) with a bf16 block gradient. Median ms of --iters calls (CUDA
 events, after warm-up), the speedup of the kernel and the bandwidth each reaches on the bytes it moves, beside
-the device copy bandwidth measured in the same run (bench/flash_decode.copy_bandwidth). Bytes per element of o
+the device copy bandwidth measured in the same run (inference/floor.copy_bandwidth). Bytes per element of o
 (n = rows * h * d) and per row (rows * h), bf16 block:
     merge_reference_  18 n + 44 rows   (PyTorch: o_blk's fp32 copy written and read again; five [b, h, s] passes)
     merge_            10 n + 12 rows   (Triton: o read and written, o_blk read; lse read and written, lse_blk read)
@@ -64,7 +64,7 @@ def main(argv=None):
     if not torch.cuda.is_available():
         print("megatron-cp-bench merge: needs a CUDA GPU (it times GPU kernels); nothing run")
         return 0
-    from megatron_cp_plugin.bench.flash_decode import copy_bandwidth
+    from megatron_cp_plugin.inference.floor import copy_bandwidth
 
     dev, h, d = torch.device("cuda"), a.heads, a.head_dim
     bw = copy_bandwidth(dev)

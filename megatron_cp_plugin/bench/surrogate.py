@@ -45,7 +45,7 @@ def main(argv=None):
         print("megatron-cp-bench surrogate: needs a CUDA GPU (the Triton kernel against the reference); none here, "
               "nothing run", flush=True)
         return 0
-    from megatron_cp_plugin.bench.flash_decode import copy_bandwidth
+    from megatron_cp_plugin.inference.floor import copy_bandwidth
     from megatron_cp_plugin.kernels.surrogate import surrogate_out_reference, surrogate_out_triton, use_kernel
 
     dev = torch.device("cuda")
