@@ -3,7 +3,8 @@
 # must read (bench/decode_profile.py; docs/decode.md, "Where a step's time goes"). The 32-layer GPTModel of
 # `megatron-cp-bench decode --model` (Llama-3.1-8B shape: hidden 4096, 32 heads, 8 KV heads, ffn 14336 not
 # gated, vocabulary 257, random bf16 weights), batch 1, tree decoding, the cache filled with random K, V:
-#   A. CP = 1 on one GPU, 32k and 128k, graphed;
+#   A. CP = 1 on one GPU, 32k and 128k, graphed; beside it the single-GPU anchor, torch's SDPA over the cache
+#      (--decoders sdpa);
 #   B. CP = 2 under torchrun --nproc-per-node 2 (NCCL, one GPU each), 128k, graphed; needs 2 GPUs (with one, B is
 #      reported skipped and the script exits non-zero).
 # Each configuration: 3 warm-up steps (the first captures the graph) and $STEPS (default 10) steps under
@@ -25,14 +26,14 @@ BUDGET=${BUDGET:-300}                     # seconds for everything; a step gets 
 STEPS=${STEPS:-10}
 source "$(dirname "$0")/gpu_steps.sh"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader >> "$OUT/summary.txt" 2>&1
-P="-m megatron_cp_plugin.bench.decode --model --profile --profile-steps $STEPS --batch 1 --decoders tree --eager-context"
+P="-m megatron_cp_plugin.bench.decode --model --profile --profile-steps $STEPS --batch 1 --eager-context"
 
 step N 60 python3 -m megatron_cp_plugin.bench norm --out "$OUT/norm"     # the fused norm against torch's
 step BA 60 python3 -m megatron_cp_plugin.bench bias-add --out "$OUT/bias_add"   # the fused bias + residual add
 step G 90 python3 -m megatron_cp_plugin.bench gemv --out "$OUT/gemv"           # the fused linears against cuBLAS
-step A 150 torchrun --nproc-per-node 1 $P --context 32768 131072 --out "$OUT/profile_cp1"
+step A 150 torchrun --nproc-per-node 1 $P --decoders tree sdpa --context 32768 131072 --out "$OUT/profile_cp1"
 if [ "$GPUS" -ge 2 ]; then
-  step B 150 torchrun --nproc-per-node 2 $P --context 131072 --out "$OUT/profile_cp2"
+  step B 150 torchrun --nproc-per-node 2 $P --decoders tree --context 131072 --out "$OUT/profile_cp2"
 else
   echo "B: skipped, CP = 2 needs 2 GPUs ($GPUS here)" | tee -a "$OUT/summary.txt"; status=1
 fi
@@ -56,13 +57,15 @@ for cp in (1, 2):
         if "not_run" in r or "error" in r:
             failed = True
             print(f"{r['context']} b={r['batch']} {r['decoder']} {r['mode']}: {r.get('not_run') or r.get('error')}\n")
-        elif (r["context"], r["mode"], r["rank"]) not in keys:
-            keys.append((r["context"], r["mode"], r["rank"]))
-    for n, mode, rank in keys:
-        rows = {r["part"]: r for r in res["rows"] if "part" in r and (r["context"], r["mode"], r["rank"]) == (n, mode, rank)}
+        elif (r["context"], r["decoder"], r["mode"], r["rank"]) not in keys:
+            keys.append((r["context"], r["decoder"], r["mode"], r["rank"]))
+    for key in keys:
+        n, dec, mode, rank = key
+        rows = {r["part"]: r for r in res["rows"] if "part" in r and (r["context"], r["decoder"], r["mode"], r["rank"]) == key}
         w = rows["wall"]
         floor = "" if w["of_bw"] == "" else f" = {1 / w['of_bw']:.2f}x the floor"
-        print(f"### {n // 1024}k, batch 1, tree ({w['variant']}), {mode}, rank {rank}: wall {w['us'] / 1e3:.2f} ms"
+        how = f"tree ({w['variant']})" if dec == "tree" else "torch SDPA over the cache (anchor)" if dec == "sdpa" else dec
+        print(f"### {n // 1024}k, batch 1, {how}, {mode}, rank {rank}: wall {w['us'] / 1e3:.2f} ms"
               f"{floor} (CUDA events {w['events_ms']:.2f} ms; the floor reads {w['must_read_MB']:.0f} MB)\n")
         print("| part | us | kernels | share | must read MB | GB/s | of bw |\n|---|---|---|---|---|---|---|")
         for part, r in rows.items():

@@ -126,6 +126,11 @@ def test_static_step_prompt_tail_and_no_prefill(pools, prompt_len):
     assert all(t == ref for t, _ in pools(4).run(_static, "ring", 0.0, prompt_len))
 
 
+def test_static_sdpa_anchor_gives_the_same_greedy_tokens_at_cp1(pools, reference):
+    # The single-GPU anchor (torch's SDPA over the whole cache, unfilled slots masked) is the same attention.
+    assert pools(1).run(_static, "ring", 0.0, L, "sdpa", None, 3)[0][0] == reference
+
+
 def test_static_top_p_is_the_same_on_every_rank_and_cp_size(pools):
     ref = pools(1).run(_static, "ring", 0.8)[0][0]
     res = pools(2).run(_static, "burst", 0.8)
@@ -151,6 +156,7 @@ def _static_bad(rank, world, case):
 
 
 @pytest.mark.parametrize("case, needle", [({"decoder": "nope"}, "decoder"), ({"variant": "x"}, "variant"),
+                                          ({"decoder": "sdpa"}, "P = 1 only"),
                                           ({"top_p": 0.0}, "top_p"), ({"capacity": 0}, "capacity"),
                                           ({}, "capacity")])    # 8 + 4 tokens need 6 slots per rank, not 4
 def test_static_bad_input(pools, case, needle):
@@ -205,3 +211,20 @@ def test_cache_padding_is_zero_so_masked_slots_cannot_poison_the_output(monkeypa
     o_ref, lse_ref = decode_fwd(q, ck[:, :4], cv[:, :4])
     torch.testing.assert_close(o, o_ref)
     torch.testing.assert_close(lse, lse_ref)
+
+
+def test_sdpa_anchor_is_attention_over_each_rows_filled_slots():
+    from megatron_cp_plugin.inference.static import sdpa_over_cache
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 1, 8, 16, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 20, 2, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    lengths = torch.tensor([13, 20])
+    got = sdpa_over_cache(q, k, v, lengths, scale=0.3)
+    for i, n in enumerate(lengths.tolist()):
+        for head in range(8):
+            kv = head // 4                                            # GQA: 4 query heads a KV head
+            p = torch.softmax(0.3 * k[i, :n, kv] @ q[i, 0, head], 0)
+            torch.testing.assert_close(got[i, 0, head], p @ v[i, :n, kv], rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="one new token per sequence"):
+        sdpa_over_cache(q.expand(2, 2, 8, 16), k, v, lengths)

@@ -86,7 +86,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--model", action="store_true", help="time the static decode step of a GPTModel")
     g.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     g.add_argument("--batch-max-context", type=int, default=131072, help="batches > 1 only up to this context")
-    g.add_argument("--decoders", nargs="+", choices=("tree", "ring"), default=["tree", "ring"])
+    g.add_argument("--decoders", nargs="+", choices=("tree", "ring", "sdpa"), default=["tree", "ring"],
+                   help="sdpa: torch's SDPA over the whole cache, the single-GPU anchor (CP = 1 rows only)")
     g.add_argument("--hidden", type=int, default=4096)
     g.add_argument("--ffn", type=int, default=14336)
     g.add_argument("--tokens", type=int, default=32,

@@ -230,8 +230,9 @@ def model_bench(a, rank: int, world: int, dev, bw: float | None) -> list[dict]:
         cap = latency_capacity(n, steps, world)
         row = {"what": "latency (random K, V cache)", "context": n, "batch": b, "decoder": decoder, "mode": mode}
         # no_graph is the same on every rank, so either all of them or none take part in not_fitting's gather.
-        why = no_graph or not_fitting(config_bytes(a, batch=b, capacity=cap, world=world, decoder=decoder,
-                                                   graphed=mode == "graph"), dev, group)
+        anchor_only = decoder == "sdpa" and world > 1 and "not run: sdpa is the single-GPU anchor (CP = 1 only)"
+        why = no_graph or anchor_only or not_fitting(config_bytes(a, batch=b, capacity=cap, world=world,
+                                                                  decoder=decoder, graphed=mode == "graph"), dev, group)
         if why:
             row["not_run"] = why
             emit(row, f"{n:>8} b={b} {decoder:4s} {mode:5s} {why}")

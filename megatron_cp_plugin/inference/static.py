@@ -75,12 +75,16 @@ class StaticCache:
                 + 8)
 
 
+DECODERS = ("tree", "ring", "sdpa")
+"""The static step's attention: tree decoding, ring decoding (the baseline), torch's SDPA (the P = 1 anchor)."""
+
+
 class StaticDecoder:
     """Generation with a sequence-sharded KV cache and a static (CUDA-graphable) decode step.
 
     model: a GPTModel from build_gpt (any CP algorithm; the same on every rank of cp_group); batch, capacity:
-    sequences and cache slots per rank (capacity >= ceil((prompt + new tokens) / P)); decoder "tree" or
-    "ring" (the baseline); variant: tree_decode's merge (None: the cost model's choice); graphed: capture the
+    sequences and cache slots per rank (capacity >= ceil((prompt + new tokens) / P)); decoder "tree", "ring"
+    (the baseline) or "sdpa" (P = 1 only: torch's SDPA over the whole cache, the single-GPU anchor); variant: tree_decode's merge (None: the cost model's choice); graphed: capture the
     step as a CUDA graph (default on GPUs); temperature (0: greedy), top_p, seed: sampling.
     """
 
@@ -89,8 +93,12 @@ class StaticDecoder:
                  top_p: float = 1.0, seed: int = 0):
         from ..megatron.attention import CPCoreAttention
 
-        if decoder not in ("tree", "ring"):
-            raise ValueError(f"decoder must be 'tree' or 'ring' (the ring-decode baseline), got {decoder!r}")
+        if decoder not in DECODERS:
+            raise ValueError(f"decoder must be 'tree', 'ring' (the ring-decode baseline) or 'sdpa' (torch's SDPA, "
+                             f"P = 1), got {decoder!r}")
+        if decoder == "sdpa" and cp_group.size() != 1:
+            raise ValueError(f"decoder 'sdpa' (torch's SDPA over the whole cache, the single-GPU anchor) runs at "
+                             f"P = 1 only, got a context-parallel group of {cp_group.size()}")
         if variant is not None and variant not in VARIANTS:
             raise ValueError(f"variant must be one of {VARIANTS} or None (the cost model's choice), got {variant!r}")
         for name, v in (("batch", batch), ("capacity", capacity)):
@@ -375,10 +383,29 @@ class _StaticCore(torch.nn.Module):
         if dec.decoder == "ring":
             o = ring_decode(q, k_all[:, :cap], v_all[:, :cap], group=dec.group, softmax_scale=scale,
                             kv_positions=c.pos[:, :cap])
+        elif dec.decoder == "sdpa":
+            o = sdpa_over_cache(q, k_all[:, :cap], v_all[:, :cap], dec._lengths, scale)
         else:
             o = tree_decode(q, k_all[:, :cap], v_all[:, :cap], group=dec.group, softmax_scale=scale,
                             variant=dec.variant, kv_lengths=dec._lengths, validate=False, workspace=dec.workspace)
         return o.transpose(0, 1).reshape(query.shape[0], query.shape[1], -1)
+
+
+def sdpa_over_cache(q, k, v, lengths, scale=None):
+    """The anchor a single-GPU user would write: torch's scaled_dot_product_attention of q [b, 1, h, d] over the
+    cache k, v [b, s, h_kv, d], slots at or past lengths [b] masked; -> [b, 1, h, d]. The g = h / h_kv query heads
+    of a KV head go in as g query rows of it (no GQA expansion, each K, V read once), and the boolean mask over
+    the whole capacity keeps the shapes static, so the step can be captured (torch picks its memory-efficient
+    kernel for a masked bf16 call on an H100)."""
+    b, n, h, d = q.shape
+    if n != 1:
+        raise ValueError(f"sdpa_over_cache: one new token per sequence, got q {tuple(q.shape)}")
+    h_kv = k.shape[2]
+    qg = q.reshape(b, h_kv, h // h_kv, d)                               # head = KV head * g + j, as GQA groups them
+    mask = (torch.arange(k.shape[1], device=k.device) < lengths[:, None])[:, None, None, :]
+    o = torch.nn.functional.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2),
+                                                         attn_mask=mask, scale=scale)
+    return o.reshape(b, 1, h, d)
 
 
 class _StaticRope(RopeWrapper):
