@@ -28,8 +28,9 @@ def _tolerance(x, w, y_exact, dtype):
 
 @pytest.mark.parametrize("rows", [1, 3, 16])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("bias, gelu", [(True, False), (True, True), (False, False)])
-def test_gemv_is_the_fp32_definition(rows, dtype, bias, gelu):
+@pytest.mark.parametrize("bias, gelu, res", [(True, False, False), (True, True, False), (False, False, False),
+                                            (True, False, True)])
+def test_gemv_is_the_fp32_definition(rows, dtype, bias, gelu, res):
     if not available(DEV):
         pytest.skip("SKIPPED LOUDLY: triton not installed")
     g = torch.Generator().manual_seed(rows)
@@ -37,12 +38,13 @@ def test_gemv_is_the_fp32_definition(rows, dtype, bias, gelu):
     x = torch.randn(1, rows, k, generator=g).to(DEV, dtype)
     w = (torch.randn(n, k, generator=g) / k ** 0.5).to(DEV, dtype)
     b = torch.randn(n, generator=g).to(DEV, dtype) if bias else None
-    y = G.gemv(x, w, b, gelu=gelu, backend="triton")
+    r = (8 * torch.randn(1, rows, n, generator=g)).to(DEV, dtype) if res else None        # the residual stream
+    y = G.gemv(x, w, b, gelu=gelu, residual=r, backend="triton")
     assert y.shape == (1, rows, n) and y.dtype == dtype
-    exact = _exact(x, w, b, gelu)
+    exact = _exact(x, w, b, gelu) + (0 if r is None else r.double())
     tol = _tolerance(x, w, exact, dtype)
     assert ((y.double() - exact).abs() <= tol).all()
-    assert ((G.gemv_reference(x, w, b, gelu=gelu).double() - exact).abs() <= tol).all()
+    assert ((G.gemv_reference(x, w, b, gelu=gelu, residual=r).double() - exact).abs() <= tol).all()
 
 
 def test_gemv_takes_the_reference_where_the_kernel_cannot():
@@ -59,6 +61,8 @@ def test_gemv_takes_the_reference_where_the_kernel_cannot():
         G.gemv(x, w, b[:4])
     with pytest.raises(ValueError, match="backend='triton' needs"):
         G.gemv(x, w, b, backend="triton")
+    with pytest.raises(ValueError, match=r"residual must be \(2, 8\)"):
+        G.gemv(x, w, b, residual=torch.zeros(2, 4, dtype=torch.float64))
 
 
 def _gpt_logits(rank, world, dtype_name):
@@ -83,31 +87,34 @@ def _gpt_logits(rank, world, dtype_name):
     slots = [(n, fuse, gelu) for _, n, fuse, gelu in found]
     owns = [getattr(p, n) for p, n, _, _ in found]
     takes, gemv = G.takes, G.gemv
+    with_residual = []
     G.takes = lambda x, w, b=None: x.dtype in G.DTYPES and x.numel() // x.shape[-1] <= G.MAX_ROWS
-    G.gemv = lambda *a, **k: gemv(*a, **k, backend="triton")
+    G.gemv = lambda *a, **k: with_residual.append(k.get("residual") is not None) or gemv(*a, **k, backend="triton")
     try:
         with torch.no_grad():
             want = model(tokens, pos, None)
-            with hooks.swapped(model, linears=True, bda=True):
+            with hooks.swapped(model, linears=True, bda=True, norms=True):
                 stood = [type(getattr(p, n)).__name__ for p, n, _, _ in found]
                 got = model(tokens, pos, None)
     finally:
         G.takes, G.gemv = takes, gemv
     back = [getattr(p, n) for p, n, _, _ in found]
     return (want.float().cpu(), got.float().cpu(), slots, stood, all(a is b for a, b in zip(owns, back)),
-            [m.activation_func is torch.nn.functional.gelu for m in hooks.bias_gelu_mlps(model)])
+            [m.activation_func is torch.nn.functional.gelu for m in hooks.bias_gelu_mlps(model)], with_residual)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fused_linears_stand_in_for_a_gpt_models_and_give_its_logits(pools, dtype):
     if not available(DEV):
         pytest.skip("SKIPPED LOUDLY: triton not installed")
-    want, got, slots, stood, restored, gelu_back = pools(1).run(_gpt_logits, dtype)[0]
+    want, got, slots, stood, restored, gelu_back, with_residual = pools(1).run(_gpt_logits, dtype)[0]
     layers = len(slots) // 4
     assert layers >= 2 and [n for n, _, _ in slots] == ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"] * layers
     # every bias in the kernel; fc1 (megatron-core's plain GELU MLP) with GELU
     assert all(fuse for _, fuse, _ in slots) and [g for n, _, g in slots if n == "linear_fc1"] == [True] * layers
     assert stood == ["FusedLinear"] * len(slots) and restored and gelu_back == [True] * layers
+    # linear_proj and linear_fc2 add the residual (hooks.ResidualLink), QKV and fc1 do not
+    assert with_residual == [False, True, False, True] * layers
     # the same logits up to the kernel's order of summation (and, in bf16, one rounding of each linear less)
     scale = want.abs().max()
     assert (got - want).abs().max() <= (1e-5 if dtype == "float32" else 0.05) * scale

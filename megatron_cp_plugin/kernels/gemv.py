@@ -11,6 +11,7 @@ over all of K (no split, so no reduce kernel), multiplies them with the M <= MAX
 bias, applies GELU where asked, and rounds once:
 
     y = gemv(x [..., K], weight [N, K], bias [N] | None, gelu=False)     x @ weight.T (+ bias) (-> GELU)
+    y = gemv(x, weight, bias, residual=r [..., N])                        ... + r (the layer's residual stream)
 
 `gemv_reference` is the plain-PyTorch definition (fp32 accumulation, one rounding) and the path off CUDA, for
 fp64, for more than MAX_ROWS rows or without Triton. The sums run in another order than cuBLAS's, so results
@@ -36,13 +37,16 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                   gelu: bool = False) -> torch.Tensor:
-    """The definition: x @ weight.T in fp32 (+ bias), exact GELU where asked, rounded once to x's dtype."""
+                   gelu: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """The definition: x @ weight.T in fp32 (+ bias), exact GELU where asked (+ residual), rounded once to x's
+    dtype."""
     y = x.float() @ weight.float().T
     if bias is not None:
         y = y + bias.float()
     if gelu:
         y = torch.nn.functional.gelu(y)
+    if residual is not None:
+        y = y + residual.float()
     return y.to(x.dtype)
 
 
@@ -62,7 +66,8 @@ def config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
 
 if triton is not None:
     @triton.jit
-    def _gemv_kernel(X, W, B, Y, M, N, K, sx, sy, HAS_BIAS: tl.constexpr, GELU: tl.constexpr,
+    def _gemv_kernel(X, W, B, R, Y, M, N, K, sx, sr, sy, HAS_BIAS: tl.constexpr, GELU: tl.constexpr,
+                     HAS_RES: tl.constexpr,
                      ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
                      PRECISION: tl.constexpr):
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -95,6 +100,9 @@ if triton is not None:
             acc += tl.load(B + rn, mask=nm, other=0.0).to(tl.float32)[None, :]
         if GELU:
             acc = acc * 0.5 * (1.0 + tl.math.erf(acc * 0.7071067811865476))                   # exact GELU
+        if HAS_RES:
+            acc += tl.load(R + rm[:, None] * sr + rn[None, :], mask=(rm < M)[:, None] & nm[None, :],
+                           other=0.0).to(tl.float32)
         tl.store(Y + rm[:, None] * sy + rn[None, :], acc.to(Y.dtype.element_ty),
                  mask=(rm < M)[:, None] & nm[None, :])
 
@@ -105,7 +113,8 @@ if triton is not None:
 
 def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     """Whether gemv runs its kernel on these operands: CUDA, Triton, one dtype of DTYPES, a contiguous
-    weight, at most MAX_ROWS rows of contiguous last dimension, nothing that needs a gradient."""
+    weight, at most MAX_ROWS rows of contiguous last dimension, nothing that needs a gradient (a residual is
+    checked by gemv itself)."""
     return (x.device.type == "cuda" and available(x.device) and x.dtype in DTYPES and weight.dtype == x.dtype
             and weight.dim() == 2 and weight.is_contiguous() and x.shape[-1] == weight.shape[1]
             and x.numel() // max(x.shape[-1], 1) <= MAX_ROWS and x.stride(-1) == 1
@@ -116,34 +125,43 @@ def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, gelu: bool = False,
-         backend: str | None = None) -> torch.Tensor:
-    """x [..., K] @ weight [N, K].T (+ bias [N]) (-> exact GELU): [..., N] of x's dtype, a new tensor.
-    backend None: the kernel where `takes` says so, the reference elsewhere; "triton" forces the kernel
-    (Triton's CPU interpreter in tests) and raises where it cannot take the operands."""
+         residual: torch.Tensor | None = None, backend: str | None = None) -> torch.Tensor:
+    """x [..., K] @ weight [N, K].T (+ bias [N]) (-> exact GELU) (+ residual [..., N] of x's dtype): [..., N] of
+    x's dtype, a new tensor. backend None: the kernel where `takes` says so, the reference elsewhere; "triton"
+    forces the kernel (Triton's CPU interpreter in tests) and raises where it cannot take the operands."""
     K = x.shape[-1]
     if weight.dim() != 2 or weight.shape[1] != K:
         raise ValueError(f"gemv: weight must be [N, {K}] (x's last dimension), got {tuple(weight.shape)}")
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(f"gemv: bias must be [{weight.shape[0]}] (weight's rows), got {tuple(bias.shape)}")
+    out_shape = (*x.shape[:-1], weight.shape[0])
+    if residual is not None and (tuple(residual.shape) != out_shape or residual.dtype != x.dtype):
+        raise ValueError(f"gemv: residual must be {out_shape} of x's dtype {x.dtype}, got "
+                         f"{tuple(residual.shape)} {residual.dtype}")
     if backend == "triton":
         ok = (triton is not None and x.dtype in DTYPES and weight.dtype == x.dtype and weight.is_contiguous()
               and x.numel() // max(K, 1) <= MAX_ROWS and (bias is None or bias.dtype == x.dtype))
         if not ok:
             raise ValueError(f"gemv: backend='triton' needs Triton, one dtype of {DTYPES} for x, weight and bias, a "
                              f"contiguous weight and at most {MAX_ROWS} rows")
-    elif not takes(x, weight, bias):
-        return gemv_reference(x, weight, bias, gelu=gelu)
+    elif not takes(x, weight, bias) or (residual is not None and residual.requires_grad and torch.is_grad_enabled()):
+        return gemv_reference(x, weight, bias, gelu=gelu, residual=residual)
     N = weight.shape[0]
     x2 = x.reshape(-1, K)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
+    r2 = None if residual is None else residual.reshape(M, N)
+    if r2 is not None and r2.stride(-1) != 1:
+        r2 = r2.contiguous()
     y = torch.empty(M, N, device=x.device, dtype=x.dtype)
     if M:
         bn, bk, warps, stages = config(M, N, K)
         rows = 1 if M == 1 else MAX_ROWS
-        _gemv_kernel[(triton.cdiv(N, bn),)](x2, weight, weight if bias is None else bias, y, M, N, K,
-                                             x2.stride(0), y.stride(0), HAS_BIAS=bias is not None, GELU=gelu,
+        _gemv_kernel[(triton.cdiv(N, bn),)](x2, weight, weight if bias is None else bias, y if r2 is None else r2,
+                                             y, M, N, K, x2.stride(0), 0 if r2 is None else r2.stride(0),
+                                             y.stride(0), HAS_BIAS=bias is not None, GELU=gelu,
+                                             HAS_RES=r2 is not None,
                                              ROWS=rows, BLOCK_N=bn, BLOCK_K=bk,
                                              UPCAST=_INTERPRETED and x.dtype != torch.float32,
                                              # fp32 operands: Triton's default is TF32 (1e-3 off on an H100)
