@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 import megatron_cp_plugin.cost as cm
 from megatron_cp_plugin.algos.tree_decode import VARIANTS
 from megatron_cp_plugin.bench.cost_report import load_measured
@@ -54,3 +56,21 @@ def test_choose_tree_variant_is_the_fastest_tree_method_for_each_mode():
     for graphed in (False, True):
         assert cm.choose_tree_variant(DecodeProblem(131072, 2, 32, 8), HARDWARE["h200-nvlink"], graphed=graphed)[0] \
             == "allgather"
+
+
+def test_decode_step_model_against_the_measured_steps():
+    """cost/decode.decode_step_time against the graphed 8B-shape steps measured on 2 x H100 (constants fitted on
+    the CP = 1 rows; the CP = 2 rows are a check: within 6 %); its weights are the bench's 10.21 GB."""
+    from megatron_cp_plugin.bench.cost_report import load_measured
+    from megatron_cp_plugin.cost.decode import DecodeModel, decode_step_time
+
+    meas = load_measured(MEASURED)["decode_step"]
+    m = DecodeModel(**meas["model"])
+    assert abs(m.weight_bytes() - 10.21e9) < 0.005e9
+    for r in meas["rows"]:
+        p = decode_step_time(m, r["context"], r["world"], HARDWARE[meas["hardware"]], mem_bw=meas["mem_bw"],
+                             small_per_layer=meas["small_per_layer"])
+        assert abs(p["total"] * 1e3 / r["ms"] - 1) <= (0.02 if r["world"] == 1 else 0.06), (r, p)
+        assert p["floor"] < p["total"] and (p["exchange"] > 0) == (r["world"] > 1)
+    with pytest.raises(ValueError, match="mem_bw must be positive"):
+        decode_step_time(m, 1024, 1, HARDWARE["h100-ib"], mem_bw=0.0)

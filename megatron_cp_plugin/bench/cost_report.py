@@ -294,6 +294,40 @@ def table_decode(hw_names=("h200-nvlink", "h200-sockets")) -> list[Table]:
     return out
 
 
+def table_decode_step() -> list[Table]:
+    """Whole graphed decode steps of the 8B shape (cost/decode.decode_step_time): the measured rows against the
+    model, then predictions at CP = 1-8 on H100 and H200."""
+    from megatron_cp_plugin.cost.decode import DecodeModel, decode_step_time
+
+    meas = load_measured()["decode_step"]
+    m = DecodeModel(**meas["model"])
+    hw = HARDWARE[meas["hardware"]]
+    rows = []
+    for r in meas["rows"]:
+        p = decode_step_time(m, r["context"], r["world"], hw, mem_bw=meas["mem_bw"],
+                             small_per_layer=meas["small_per_layer"])
+        rows.append({"CP": r["world"], "context": _k(r["context"]), "measured ms": r["ms"],
+                     "predicted ms": p["total"] * 1e3, "error": p["total"] * 1e3 / r["ms"] - 1,
+                     "x floor measured": r["ms"] / (p["floor"] * 1e3)})
+    out = [Table(f"decode step, measured against the model ({meas['device']}, {meas['mem_bw'] / 1e12:.2f} TB/s "
+                 "measured; the 8B shape, batch 1, graphed, tree; constants fitted on the CP = 1 rows)", rows,
+                 {"measured ms": lambda v: f"{v:.2f}", "predicted ms": lambda v: f"{v:.2f}",
+                  "error": lambda v: f"{v:+.1%}", "x floor measured": lambda v: f"{v:.2f}"})]
+    rows = []
+    for name in ("h100-ib", "h200-nvlink"):
+        for P in (1, 2, 4, 8):
+            for S in (32768, 131072, 524288):
+                p = decode_step_time(m, S, P, HARDWARE[name])
+                rows.append({"hardware": name, "CP": P, "context": _k(S), "ms": p["total"] * 1e3,
+                             "floor ms": p["floor"] * 1e3, "x floor": p["total"] / p["floor"],
+                             "tokens/s over CP = 1": decode_step_time(m, S, 1, HARDWARE[name])["total"] / p["total"]})
+    out.append(Table("decode step predicted (the 8B shape, batch 1, graphed, tree allgather at P > 1; the fused "
+                     "linears with the residual adds inside: 4 small kernels a layer; hw.mem_bw as the floor's "
+                     "bandwidth)", rows, {c: (lambda v: f"{v:.2f}") for c in ("ms", "floor ms", "x floor",
+                                                                          "tokens/s over CP = 1")}))
+    return out
+
+
 def table_problem(pb: Problem, hw: Hardware) -> Table:
     """Every feasible algorithm's prediction for one problem, and choose_algo's pick."""
     rows = []
@@ -335,6 +369,7 @@ def table_bytes() -> list[Table]:
 
 
 TABLES = {"measured": table_measured, "papers": table_papers, "node8": table_node8, "decode": table_decode,
+          "decode-step": table_decode_step,
           "scale": table_scale, "bytes": table_bytes,
           "step": lambda: [Table(cost_step.title(), cost_step.step_rows(), {"factor": lambda v: f"{v:.3g}"})]}
 

@@ -7,7 +7,8 @@ KV shard from HBM (memory-bound). Decode is launch-bound: a fixed host cost per 
 GRAPH_LAUNCH_S graphed) and the links' latencies (scaled by GRAPH_LATENCY_RATIO graphed) dominate at short
 contexts. Not modelled: eager host overhead beyond that fixed cost per kernel (the 2 x H200 eager runs spend
 0.3-0.9 ms per layer of Python and launches, with run-to-run noise of that size: docs/cost_model.md).
-`inference/static.py` asks `choose_tree_variant` for the variant of its static step.
+`inference/static.py` asks `choose_tree_variant` for the variant of its static step. `decode_step_time` adds the
+rest of a graphed GPT decode step (the linears' weights, the small kernels and the graph's gaps) to the attention.
 """
 from __future__ import annotations
 
@@ -140,3 +141,76 @@ def choose_tree_variant(pb: DecodeProblem, hw: Hardware, *, graphed: bool) -> tu
     one layer, eager or graphed, and every variant's predicted seconds (keyed by variant)."""
     best, times = choose_decode(pb, hw, DECODE_METHODS[:3], graphed=graphed)
     return best.split("-", 1)[1], {m.split("-", 1)[1]: t for m, t in times.items()}
+
+
+# The whole graphed decode step (inference/static.py), fitted on one profile (2 x H100, 2026-11-26, the 8B shape:
+# docs/decode.md, "Measured after these"; bench/decode_profile.py parts):
+GEMV_EFFICIENCY = 0.88
+"""The linears' weights stream at this fraction of the floor's bandwidth (10.21 GB in 3.86 ms at 3.01 TB/s; fc1
+and fc2 0.9, QKV and the projection 0.77, kernels/gemv.py)."""
+SMALL_KERNEL_S = 2.0e-6
+"""Mean duration of the step's small kernels (norms, the q copy, RoPE + append, residual adds, the step's integer
+ops: 436 us over 216 kernels a step)."""
+GRAPH_GAP_S = 0.65e-6
+"""Idle device time after each kernel of a replayed graph (243-286 us over 410 kernels a step)."""
+SMALL_KERNELS_PER_LAYER = 4
+"""Per layer besides the four linears and the attention: two norms, megatron-core's q reshape copy, RoPE + append
+(the residual adds are inside fc2's and the projection's kernels, the biases and GELU inside the linears')."""
+STEP_KERNELS = 14
+"""Per step outside the layers: the embedding lookup, the position and length updates, the final norm, the output
+layer, argmax, the token copies (12 small kernels, 1 GEMV, 1 reduction)."""
+
+
+@dataclass(frozen=True)
+class DecodeModel:
+    """The shape of a GPT whose whole decode step decode_step_time predicts (local layer spec, one TP rank)."""
+
+    layers: int
+    """Transformer layers."""
+    hidden: int
+    """Hidden size."""
+    heads: int
+    """Query heads."""
+    kv_heads: int
+    """KV heads (query groups)."""
+    ffn: int
+    """MLP hidden size (not gated: fc1 [ffn, hidden])."""
+    vocab: int
+    """Vocabulary (the embedding and the untied output layer)."""
+    head_dim: int = 128
+    """d."""
+    dtype_bytes: int = 2
+    """e of the weights and the cache."""
+
+    def weight_bytes(self) -> int:
+        """Every parameter once, as inference/floor.weight_bytes counts them (linears with biases, two norms a
+        layer, the final norm, the embedding and the output layer)."""
+        h, d = self.hidden, self.head_dim
+        qkv = (self.heads + 2 * self.kv_heads) * d
+        layer = (qkv * h + qkv) + (h * self.heads * d + h) + (self.ffn * h + self.ffn) + (h * self.ffn + h) + 2 * h
+        return (self.layers * layer + h + 2 * self.vocab * h) * self.dtype_bytes
+
+
+def decode_step_time(m: DecodeModel, context: int, world: int, hw: Hardware, *, batch: int = 1,
+                     mem_bw: float | None = None, small_per_layer: int = SMALL_KERNELS_PER_LAYER) -> dict[str, float]:
+    """Predicted seconds of one graphed decode step of model `m` (batch 1-8, tree decoding, the allgather merge at
+    P > 1) and its parts: gemm (every weight once at GEMV_EFFICIENCY), attention and exchange (predict_decode per
+    layer, graphed), small (SMALL_KERNEL_S each), gaps (GRAPH_GAP_S after every kernel), total; and floor, the
+    bandwidth floor (weights + this rank's KV shard) / mem_bw. mem_bw: the bandwidth measured in a run (default
+    hw.mem_bw); small_per_layer: the layers' small kernels (6 before the residual adds went into the linears)."""
+    bw = hw.mem_bw if mem_bw is None else mem_bw
+    if not bw > 0:
+        raise ValueError(f"mem_bw must be positive, got {mem_bw!r}")
+    hwb = dataclasses.replace(hw, mem_bw=bw)
+    pb = DecodeProblem(context, world, m.heads, m.kv_heads, m.head_dim, batch=batch, dtype_bytes=m.dtype_bytes)
+    local = predict_decode("tree-allgather", dataclasses.replace(pb, world=1, context=pb.shard), hwb, graphed=True)
+    attn = predict_decode("tree-allgather", pb, hwb, graphed=True)
+    weights = m.weight_bytes()
+    kernels = m.layers * (4 + small_per_layer + _DECODE_KERNELS["local"] + (2 if world > 1 else 0)) + STEP_KERNELS
+    parts = {"gemm": weights / (bw * GEMV_EFFICIENCY), "attention": m.layers * local,
+             "exchange": m.layers * (attn - local), "small": (m.layers * small_per_layer + STEP_KERNELS - 2)
+             * SMALL_KERNEL_S, "gaps": kernels * GRAPH_GAP_S}
+    parts["total"] = sum(parts.values())
+    kv = 2 * m.layers * batch * pb.shard * m.kv_heads * m.head_dim * m.dtype_bytes
+    parts["floor"] = (weights + kv) / bw
+    return parts
