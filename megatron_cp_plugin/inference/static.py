@@ -395,8 +395,8 @@ def sdpa_over_cache(q, k, v, lengths, scale=None):
     """The anchor a single-GPU user would write: torch's scaled_dot_product_attention of q [b, 1, h, d] over the
     cache k, v [b, s, h_kv, d], slots at or past lengths [b] masked; -> [b, 1, h, d]. The g = h / h_kv query heads
     of a KV head go in as g query rows of it (no GQA expansion, each K, V read once), and the boolean mask over
-    the whole capacity keeps the shapes static, so the step can be captured (torch picks its memory-efficient
-    kernel for a masked bf16 call on an H100)."""
+    the whole capacity keeps the shapes static, so the step can be captured (torch picks cuDNN's fused attention
+    for this masked bf16 call on an H100: 0.2 TB/s of cache read, docs/decode.md)."""
     b, n, h, d = q.shape
     if n != 1:
         raise ValueError(f"sdpa_over_cache: one new token per sequence, got q {tuple(q.shape)}")
