@@ -214,7 +214,7 @@ def test_cache_padding_is_zero_so_masked_slots_cannot_poison_the_output(monkeypa
 
 
 def test_sdpa_anchor_is_attention_over_each_rows_filled_slots():
-    from megatron_cp_plugin.inference.static import sdpa_over_cache
+    from megatron_cp_plugin.kernels.local_attn import sdpa_over_cache
 
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 1, 8, 16, generator=g, dtype=torch.float64)

@@ -35,6 +35,7 @@ from ..algos import registry
 from ..algos.ring_decode import ring_decode
 from ..algos.tree_decode import VARIANTS, tree_decode
 from ..kernels.flash_decode import Workspace
+from ..kernels.local_attn import sdpa_over_cache
 from ..kernels.rope_append import rope_append
 from ..sharding import sequence_positions
 from ..megatron.rope import RopeWrapper, gpt_of
@@ -390,22 +391,6 @@ class _StaticCore(torch.nn.Module):
                             variant=dec.variant, kv_lengths=dec._lengths, validate=False, workspace=dec.workspace)
         return o.transpose(0, 1).reshape(query.shape[0], query.shape[1], -1)
 
-
-def sdpa_over_cache(q, k, v, lengths, scale=None):
-    """The anchor a single-GPU user would write: torch's scaled_dot_product_attention of q [b, 1, h, d] over the
-    cache k, v [b, s, h_kv, d], slots at or past lengths [b] masked; -> [b, 1, h, d]. The g = h / h_kv query heads
-    of a KV head go in as g query rows of it (no GQA expansion, each K, V read once), and the boolean mask over
-    the whole capacity keeps the shapes static, so the step can be captured (torch picks cuDNN's fused attention
-    for this masked bf16 call on an H100: 0.2 TB/s of cache read, docs/decode.md)."""
-    b, n, h, d = q.shape
-    if n != 1:
-        raise ValueError(f"sdpa_over_cache: one new token per sequence, got q {tuple(q.shape)}")
-    h_kv = k.shape[2]
-    qg = q.reshape(b, h_kv, h // h_kv, d)                               # head = KV head * g + j, as GQA groups them
-    mask = (torch.arange(k.shape[1], device=k.device) < lengths[:, None])[:, None, None, :]
-    o = torch.nn.functional.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2),
-                                                         attn_mask=mask, scale=scale)
-    return o.reshape(b, 1, h, d)
 
 
 class _StaticRope(RopeWrapper):

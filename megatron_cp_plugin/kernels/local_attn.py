@@ -3,6 +3,7 @@
     block_fwd(q, k, v, mask=..., scale=...)                 -> (o [b, sq, h, d] in q.dtype, lse [b, h, sq] fp32)
     block_bwd(do, q, k, v, o, lse, mask=..., scale=...)     -> (dq [b, sq, h, d], dk, dv [b, sk, h_kv, d])
     decode_fwd(q, k, v, kv_positions=..., q_positions=...)  -> decode-step partial (o, lse), fp32
+    sdpa_over_cache(q, k, v, lengths)                        -> the single-GPU decode anchor: torch's SDPA
 
 Packed blocks (b = 1): `cu_seqlens_q`, `cu_seqlens_k` (a `segments.Segments`, or int cu_seqlens) cut the rows
 into segments (documents); query segment i attends to key segment i only and the mask applies inside each
@@ -339,6 +340,23 @@ def decode_fwd(q, k, v, *, scale: float | None = None, kv_positions: torch.Tenso
         vis = vis & (kv[:, None, :] <= q_positions[:, :, None])
     o, lse = block_fwd(q, k, v, mask=vis, scale=scale, backend=None if backend == "math" else backend)
     return o.to(acc), lse.to(acc)
+
+
+def sdpa_over_cache(q, k, v, lengths, scale=None):
+    """The anchor a single-GPU user would write: torch's scaled_dot_product_attention of q [b, 1, h, d] over the
+    cache k, v [b, s, h_kv, d], slots at or past lengths [b] masked; -> [b, 1, h, d]. The g = h / h_kv query heads
+    of a KV head go in as g query rows of it (no GQA expansion, each K, V read once), and the boolean mask over
+    the whole capacity keeps the shapes static, so the step can be captured (torch picks cuDNN's fused attention
+    for this masked bf16 call on an H100: 0.2 TB/s of cache read, docs/decode.md)."""
+    b, n, h, d = q.shape
+    if n != 1:
+        raise ValueError(f"sdpa_over_cache: one new token per sequence, got q {tuple(q.shape)}")
+    h_kv = k.shape[2]
+    qg = q.reshape(b, h_kv, h // h_kv, d)                               # head = KV head * g + j, as GQA groups them
+    mask = (torch.arange(k.shape[1], device=k.device) < lengths[:, None])[:, None, None, :]
+    o = torch.nn.functional.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2),
+                                                         attn_mask=mask, scale=scale)
+    return o.reshape(b, 1, h, d)
 
 
 # ----------------------------------------------------------------------------------------- fused
