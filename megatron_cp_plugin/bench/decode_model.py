@@ -89,14 +89,19 @@ def graph_refusal(dev) -> str | None:
     return None
 
 
-def latency_configs(a, dev) -> list[tuple[int, int, str, str, str | None]]:
-    """(context, batch, decoder, mode, why not run or None) of every latency row, in order: graphed rows for
-    each context, batch (> 1 only for tree decoding up to --batch-max-context) and decoder; eager rows for each
-    --eager-context and decoder."""
+def latency_configs(a, dev, world: int) -> list[tuple[int, int, str, str, str | None]]:
+    """(context, batch, decoder, mode, why not run or None; the same on every rank) of every latency row, in
+    order: graphed rows for each context, batch (> 1 only for tree decoding up to --batch-max-context) and decoder;
+    eager rows for each --eager-context and decoder. The sdpa anchor runs at CP = 1 only."""
     no_graph = graph_refusal(dev)
-    out = [(n, b, d, "graph", no_graph) for n in a.context for b in a.batch for d in a.decoders
+    anchor = "not run: sdpa is the single-GPU anchor (CP = 1 only)" if world > 1 else None
+
+    def why(d: str, graph: bool) -> str | None:
+        return (anchor if d == "sdpa" else None) or (no_graph if graph else None)
+
+    out = [(n, b, d, "graph", why(d, True)) for n in a.context for b in a.batch for d in a.decoders
            if b == 1 or (n <= a.batch_max_context and d == "tree")]
-    return out + [(n, 1, d, "eager", None) for n in a.eager_context for d in a.decoders]
+    return out + [(n, 1, d, "eager", why(d, False)) for n in a.eager_context for d in a.decoders]
 
 
 def _build(a, world: int, dev):
@@ -225,14 +230,13 @@ def model_bench(a, rank: int, world: int, dev, bw: float | None) -> list[dict]:
         emit({"what": "tokens graph == eager", "context": a.check_context, "batch": 1, "decoder": "tree",
               "mode": "graph vs eager", "not_run": no_graph}, f"token check graph == eager: {no_graph}")
     # 2. latency per configuration, the cache filled with random K, V.
-    for n, b, decoder, mode, no_graph in latency_configs(a, dev):
+    for n, b, decoder, mode, refused in latency_configs(a, dev, world):
         steps = a.tokens if mode == "graph" else max(4, a.tokens // 4)
         cap = latency_capacity(n, steps, world)
         row = {"what": "latency (random K, V cache)", "context": n, "batch": b, "decoder": decoder, "mode": mode}
-        # no_graph is the same on every rank, so either all of them or none take part in not_fitting's gather.
-        anchor_only = decoder == "sdpa" and world > 1 and "not run: sdpa is the single-GPU anchor (CP = 1 only)"
-        why = no_graph or anchor_only or not_fitting(config_bytes(a, batch=b, capacity=cap, world=world,
-                                                                  decoder=decoder, graphed=mode == "graph"), dev, group)
+        # refused is the same on every rank, so either all of them or none take part in not_fitting's gather.
+        why = refused or not_fitting(config_bytes(a, batch=b, capacity=cap, world=world, decoder=decoder,
+                                                  graphed=mode == "graph"), dev, group)
         if why:
             row["not_run"] = why
             emit(row, f"{n:>8} b={b} {decoder:4s} {mode:5s} {why}")

@@ -255,12 +255,11 @@ def profile_bench(a, rank: int, world: int, dev, bw: float | None) -> list[dict]
               "CUDA events (perf_counter on the CPU).")
     rows: list[dict] = []
     trace_dir = a.out + "_traces"
-    for n, b, decoder, mode, no_graph in latency_configs(a, dev):
+    for n, b, decoder, mode, refused in latency_configs(a, dev, world):
         key = {"context": n, "batch": b, "decoder": decoder, "mode": mode}
         cap = latency_capacity(n, a.profile_steps + TIMED_WARMUP, world)
-        anchor_only = decoder == "sdpa" and world > 1 and "not run: sdpa is the single-GPU anchor (CP = 1 only)"
-        why = no_graph or anchor_only or not_fitting(config_bytes(a, batch=b, capacity=cap, world=world,
-                                                                  decoder=decoder, graphed=mode == "graph"), dev, group)
+        why = refused or not_fitting(config_bytes(a, batch=b, capacity=cap, world=world, decoder=decoder,
+                                                  graphed=mode == "graph"), dev, group)
         if why:
             rows.append({**key, "not_run": why})
             if rank == 0:

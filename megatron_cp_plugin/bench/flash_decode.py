@@ -16,8 +16,8 @@ import argparse
 import torch
 
 from megatron_cp_plugin.bench._common import not_fitting, time_ms, write_report
-from megatron_cp_plugin.kernels.flash_decode import flash_decode
 from megatron_cp_plugin.inference.floor import copy_bandwidth
+from megatron_cp_plugin.kernels.flash_decode import flash_decode
 from megatron_cp_plugin.kernels.local_attn import unsupported, block_fwd
 
 

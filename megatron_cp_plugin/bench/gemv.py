@@ -100,14 +100,10 @@ def main(argv=None):
                 grid = SWEEP_ROW1 if m == 1 else SWEEP_DOT
                 for (bn, bk), warps, stages in itertools.product(grid, (4, 8), (2, 3, 4)):
                     cfg = (bn, bk, warps, stages)
-                    orig = G.config
-                    G.config = lambda *_, c=cfg: c
                     try:
-                        row("gemv sweep", lambda w, b: G.gemv(x, w, b, gelu=gelu), config=str(cfg))
+                        row("gemv sweep", lambda w, b, c=cfg: G.gemv(x, w, b, gelu=gelu, block=c), config=str(cfg))
                     except Exception as e:          # a configuration Triton cannot compile (registers, shared memory)
                         print(f"{name} rows={m} {cfg}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
-                    finally:
-                        G.config = orig
         ws.clear(), bs.clear()
         torch.cuda.empty_cache()
     best = {}

@@ -240,54 +240,38 @@ def swapped(model, *, core=None, rope=None, owners=None, norms: bool = False, bd
     after."""
     owners = core_owners(model) if owners is None else owners
     gpt = gpt_of(model)
-    saved = [m.core_attention for m in owners]
-    own_rope = getattr(gpt, "rotary_pos_emb", None)
-    slots = norm_slots(model) if norms else []
-    own_norms = [getattr(p, n) for p, n in slots]
-    adds = bda_slots(model) if bda else []
-    own_adds = [getattr(p, n) for p, n in adds]
-    lins = linear_slots(model) if linears else []
-    own_lins = [getattr(p, n) for p, n, _, _ in lins]
-    mlps = [m for m in bias_gelu_mlps(model) if not any(p is m and g for p, _, _, g in lins)] if bda else []
-    gelu_off = [p for p, _, _, g in lins if g] + mlps
     link_of: dict = {}
     if norms and bda and linears:
         for n, lin, (layer, attr) in residual_links(model):
             link_of[id(n)] = link_of[id(lin)] = link_of[(id(layer), attr)] = ResidualLink()
+    # Every stand-in is one (object, attribute, stand-in) swap, made in this order and undone in reverse.
+    swaps = [(m, "core_attention", core(m.core_attention, i)) for i, m in enumerate(owners)] if core else []
+    if rope is not None and getattr(gpt, "rotary_pos_emb", None) is not None:
+        swaps.append((gpt, "rotary_pos_emb", rope(gpt.rotary_pos_emb)))
+    swaps += [(p, n, FusedNorm(getattr(p, n), link_of.get(id(getattr(p, n))))) for p, n in
+              (norm_slots(model) if norms else [])]
+    swaps += [(p, n, FusedBiasDropoutAdd(getattr(p, n), link_of.get((id(p), n)))) for p, n in
+              (bda_slots(model) if bda else [])]
+    lins = linear_slots(model) if linears else []
+    swaps += [(p, n, FusedLinear(getattr(p, n), fuse_bias=fuse, gelu=gelu,
+                                 link=link_of.get(id(getattr(p, n))) if fuse else None)) for p, n, fuse, gelu in lins]
+    gelu_fc1 = {id(p) for p, _, _, gelu in lins if gelu}
+    for m in bias_gelu_mlps(model) if (bda or linears) else []:
+        if id(m) not in gelu_fc1:
+            if not bda:
+                continue
+            swaps.append((m, "linear_fc1", FusedBiasGelu(m.linear_fc1)))
+        swaps.append((m, "activation_func", _identity))          # GELU is in fc1's stand-in
+    own = [getattr(o, a) for o, a, _ in swaps]
+    done = 0
     try:
-        if core is not None:
-            for i, m in enumerate(owners):
-                m.core_attention = core(saved[i], i)
-        if rope is not None and own_rope is not None:
-            gpt.rotary_pos_emb = rope(own_rope)
-        for (p, n), inner in zip(slots, own_norms):
-            setattr(p, n, FusedNorm(inner, link_of.get(id(inner))))
-        for (p, n), inner in zip(adds, own_adds):
-            setattr(p, n, FusedBiasDropoutAdd(inner, link_of.get((id(p), n))))
-        for (p, n, fuse, gelu), inner in zip(lins, own_lins):
-            link = link_of.get(id(inner)) if fuse else None
-            setattr(p, n, FusedLinear(inner, fuse_bias=fuse, gelu=gelu, link=link))
-        for m in mlps:
-            m.linear_fc1 = FusedBiasGelu(m.linear_fc1)
-        for m in gelu_off:
-            m.activation_func = _identity
+        for o, a, new in swaps:
+            setattr(o, a, new)
+            done += 1
         yield
     finally:
-        for m, c in zip(owners, saved):
-            m.core_attention = c
-        if own_rope is not None:
-            gpt.rotary_pos_emb = own_rope
-        for (p, n), inner in zip(slots, own_norms):
-            setattr(p, n, inner)
-        for (p, n), inner in zip(adds, own_adds):
-            setattr(p, n, inner)
-        for (p, n, _, _), inner in zip(lins, own_lins):
-            setattr(p, n, inner)
-        for m in mlps:
-            if isinstance(m.linear_fc1, FusedBiasGelu):
-                m.linear_fc1 = m.linear_fc1.inner
-        for m in gelu_off:
-            m.activation_func = torch.nn.functional.gelu
+        for (o, a, _), old in reversed(list(zip(swaps[:done], own))):
+            setattr(o, a, old)
 
 
 class KeepPrefill(torch.nn.Module):

@@ -85,8 +85,9 @@ class StaticDecoder:
 
     model: a GPTModel from build_gpt (any CP algorithm; the same on every rank of cp_group); batch, capacity:
     sequences and cache slots per rank (capacity >= ceil((prompt + new tokens) / P)); decoder "tree", "ring"
-    (the baseline) or "sdpa" (P = 1 only: torch's SDPA over the whole cache, the single-GPU anchor); variant: tree_decode's merge (None: the cost model's choice); graphed: capture the
-    step as a CUDA graph (default on GPUs); temperature (0: greedy), top_p, seed: sampling.
+    (the baseline) or "sdpa" (P = 1 only: torch's SDPA over the whole cache, the single-GPU anchor); variant:
+    tree_decode's merge (None: the cost model's choice); graphed: capture the step as a CUDA graph (default on
+    GPUs); temperature (0: greedy), top_p, seed: sampling.
     """
 
     def __init__(self, model, cp_group, *, batch: int, capacity: int, decoder: str = "tree",
@@ -390,7 +391,6 @@ class _StaticCore(torch.nn.Module):
             o = tree_decode(q, k_all[:, :cap], v_all[:, :cap], group=dec.group, softmax_scale=scale,
                             variant=dec.variant, kv_lengths=dec._lengths, validate=False, workspace=dec.workspace)
         return o.transpose(0, 1).reshape(query.shape[0], query.shape[1], -1)
-
 
 
 class _StaticRope(RopeWrapper):

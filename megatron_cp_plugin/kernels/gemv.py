@@ -125,10 +125,12 @@ def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, gelu: bool = False,
-         residual: torch.Tensor | None = None, backend: str | None = None) -> torch.Tensor:
+         residual: torch.Tensor | None = None, backend: str | None = None,
+         block: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """x [..., K] @ weight [N, K].T (+ bias [N]) (-> exact GELU) (+ residual [..., N] of x's dtype): [..., N] of
     x's dtype, a new tensor. backend None: the kernel where `takes` says so, the reference elsewhere; "triton"
-    forces the kernel (Triton's CPU interpreter in tests) and raises where it cannot take the operands."""
+    forces the kernel (Triton's CPU interpreter in tests) and raises where it cannot take the operands. block:
+    (BLOCK_N, BLOCK_K, num_warps, num_stages) instead of config()'s (the benchmark's sweep)."""
     K = x.shape[-1]
     if weight.dim() != 2 or weight.shape[1] != K:
         raise ValueError(f"gemv: weight must be [N, {K}] (x's last dimension), got {tuple(weight.shape)}")
@@ -156,7 +158,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         r2 = r2.contiguous()
     y = torch.empty(M, N, device=x.device, dtype=x.dtype)
     if M:
-        bn, bk, warps, stages = config(M, N, K)
+        bn, bk, warps, stages = block or config(M, N, K)
         rows = 1 if M == 1 else MAX_ROWS
         _gemv_kernel[(triton.cdiv(N, bn),)](x2, weight, weight if bias is None else bias, y if r2 is None else r2,
                                              y, M, N, K, x2.stride(0), 0 if r2 is None else r2.stride(0),
