@@ -98,6 +98,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--profile", action="store_true", help="per-kernel time of each configuration's step "
                    "instead of its latency (implies --model; bench/decode_profile.py)")
     g.add_argument("--profile-steps", type=int, default=5, help="steps measured under the profiler")
+    g.add_argument("--pdl", choices=("on", "off", "both"), default="on",
+                   help="programmatic dependent launch of the step's kernels (kernels/_launch.pdl; Hopper and "
+                   "newer): both times each graphed row with it and again without ('graph-nopdl')")
     return p
 
 
@@ -108,6 +111,9 @@ def main(argv=None):
     if dev.type != "cuda" and not a.model:
         raise SystemExit("bench.decode needs GPUs (run it under torchrun on a GPU machine)")
     bw = memory_bandwidth(dev, None if a.mem_bw is None else a.mem_bw * 1e12)
+    if a.pdl == "off":
+        from megatron_cp_plugin.kernels import _launch
+        _launch.PDL = False                     # before any kernel: the whole run without it
     if a.model and a.profile:
         from megatron_cp_plugin.bench.decode_profile import profile_bench
         profile_bench(a, rank, world, dev, bw)

@@ -17,6 +17,7 @@ floor_ms = (weight bytes + this rank's KV shard bytes) / the GPU's memory bandwi
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import statistics
 import time
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_cp_plugin.bench._common import GiB, gather_max, not_fitting, write_report
+from megatron_cp_plugin.kernels import _launch
 
 TIMED_WARMUP = 3
 VOCAB = 257
@@ -91,17 +93,44 @@ def graph_refusal(dev) -> str | None:
 
 def latency_configs(a, dev, world: int) -> list[tuple[int, int, str, str, str | None]]:
     """(context, batch, decoder, mode, why not run or None; the same on every rank) of every latency row, in
-    order: graphed rows for each context, batch (> 1 only for tree decoding up to --batch-max-context) and decoder;
-    eager rows for each --eager-context and decoder. The sdpa anchor runs at CP = 1 only."""
+    order: graphed rows for each context, batch (> 1 only for tree decoding up to --batch-max-context) and decoder,
+    with --pdl both each twice ("graph", then "graph-nopdl": the same step captured without programmatic dependent
+    launch); eager rows for each --eager-context and decoder. The sdpa anchor runs at CP = 1 only."""
     no_graph = graph_refusal(dev)
     anchor = "not run: sdpa is the single-GPU anchor (CP = 1 only)" if world > 1 else None
+    graph_modes = ("graph", "graph-nopdl") if getattr(a, "pdl", "on") == "both" else ("graph",)
 
     def why(d: str, graph: bool) -> str | None:
         return (anchor if d == "sdpa" else None) or (no_graph if graph else None)
 
-    out = [(n, b, d, "graph", why(d, True)) for n in a.context for b in a.batch for d in a.decoders
-           if b == 1 or (n <= a.batch_max_context and d == "tree")]
+    out = [(n, b, d, m, why(d, True)) for n in a.context for b in a.batch for d in a.decoders
+           if b == 1 or (n <= a.batch_max_context and d == "tree") for m in graph_modes]
     return out + [(n, 1, d, "eager", why(d, False)) for n in a.eager_context for d in a.decoders]
+
+
+def is_graphed(mode: str) -> bool:
+    """Whether a latency row's mode replays a CUDA graph ("graph", "graph-nopdl")."""
+    return mode.startswith("graph")
+
+
+def pdl_note(a) -> str:
+    """The report header's sentence on programmatic dependent launch under --pdl."""
+    how = getattr(a, "pdl", "on")
+    return ("Programmatic dependent launch (kernels/_launch.pdl): " + ("off." if how == "off" else
+            "on where the GPU has it" + ("; 'graph-nopdl' rows are the same step without it." if how == "both"
+                                         else ".")))
+
+
+@contextlib.contextmanager
+def pdl_for(mode: str):
+    """Programmatic dependent launch (kernels/_launch.pdl) off inside the block for a "-nopdl" row, as the run
+    has it otherwise (--pdl off clears it for the whole run)."""
+    old = _launch.PDL
+    _launch.PDL = old and not mode.endswith("-nopdl")
+    try:
+        yield
+    finally:
+        _launch.PDL = old
 
 
 def _build(a, world: int, dev):
@@ -187,7 +216,7 @@ def model_bench(a, rank: int, world: int, dev, bw: float | None) -> list[dict]:
               f"{world} x {name}, CP = {world}. Latency rows: the KV cache filled with random K, V (no prefill), "
               "the static step (inference/static.py) replayed as one CUDA graph ('graph') or run eagerly; median "
               f"of {a.tokens} steps (eager: a quarter), slowest rank. floor_ms = (weights + this rank's KV shard) "
-              f"/ {bandwidth_note(dev, bw)}. not_run: why a row did not run here.")
+              f"/ {bandwidth_note(dev, bw)}. not_run: why a row did not run here. " + pdl_note(a))
     rows: list[dict] = []
 
     def emit(row: dict, line: str) -> None:
@@ -236,15 +265,16 @@ def model_bench(a, rank: int, world: int, dev, bw: float | None) -> list[dict]:
         row = {"what": "latency (random K, V cache)", "context": n, "batch": b, "decoder": decoder, "mode": mode}
         # refused is the same on every rank, so either all of them or none take part in not_fitting's gather.
         why = refused or not_fitting(config_bytes(a, batch=b, capacity=cap, world=world, decoder=decoder,
-                                                  graphed=mode == "graph"), dev, group)
+                                                  graphed=is_graphed(mode)), dev, group)
         if why:
             row["not_run"] = why
             emit(row, f"{n:>8} b={b} {decoder:4s} {mode:5s} {why}")
             continue
-        dec = StaticDecoder(model, group, batch=b, capacity=cap, decoder=decoder, graphed=mode == "graph")
-        dec.fill_random(n, seed=n)
-        dec.tokens.copy_(torch.randint(0, VOCAB, (b, 1), generator=torch.Generator().manual_seed(n)).to(dev))
-        ms = _timed(dec, steps)
+        with pdl_for(mode):
+            dec = StaticDecoder(model, group, batch=b, capacity=cap, decoder=decoder, graphed=is_graphed(mode))
+            dec.fill_random(n, seed=n)
+            dec.tokens.copy_(torch.randint(0, VOCAB, (b, 1), generator=torch.Generator().manual_seed(n)).to(dev))
+            ms = _timed(dec, steps)
         kv = -(-(n + steps // 2) // world) * dec.cache.bytes_per_token()
         floor = decode_floor(weights, kv, bw) * 1e3 if bw else float("nan")
         row.update(variant=dec.variant or "-", ms_per_token=ms, tokens_per_s=b * 1e3 / ms, floor_ms=floor,

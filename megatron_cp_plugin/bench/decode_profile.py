@@ -237,7 +237,8 @@ def profile_bench(a, rank: int, world: int, dev, bw: float | None) -> list[dict]
     """The profile rows of every latency configuration (module docstring); rank 0 prints a line per
     configuration, keeps the report (a.out .json / .md) current and prints the table at the end."""
     from megatron_cp_plugin.bench.decode_model import (TIMED_WARMUP, VOCAB, _build, _release, config_bytes,
-                                                       finish, latency_capacity, latency_configs)
+                                                       finish, is_graphed, latency_capacity, latency_configs,
+                                                       pdl_for, pdl_note)
     from megatron_cp_plugin.inference.floor import bandwidth_note
     from megatron_cp_plugin.inference.static import StaticDecoder
 
@@ -252,25 +253,26 @@ def profile_bench(a, rank: int, world: int, dev, bw: float | None) -> list[dict]
               "their intervals; idle = wall - busy; must_read_MB: bytes the part must read (exchange, merge: "
               f"the gathered (o, lse)); GBps = must_read / us; of_bw = GBps / the floor's bandwidth, "
               f"{bandwidth_note(dev, bw)}; wall's must_read = the floor's bytes; events_ms: median step from "
-              "CUDA events (perf_counter on the CPU).")
+              "CUDA events (perf_counter on the CPU). " + pdl_note(a))
     rows: list[dict] = []
     trace_dir = a.out + "_traces"
     for n, b, decoder, mode, refused in latency_configs(a, dev, world):
         key = {"context": n, "batch": b, "decoder": decoder, "mode": mode}
         cap = latency_capacity(n, a.profile_steps + TIMED_WARMUP, world)
         why = refused or not_fitting(config_bytes(a, batch=b, capacity=cap, world=world, decoder=decoder,
-                                                  graphed=mode == "graph"), dev, group)
+                                                  graphed=is_graphed(mode)), dev, group)
         if why:
             rows.append({**key, "not_run": why})
             if rank == 0:
                 print(f"{n:>8} b={b} {decoder:4s} {mode:5s} {why}", flush=True)
                 write_report(rows, a.out, header)
             continue
-        dec = StaticDecoder(model, group, batch=b, capacity=cap, decoder=decoder, graphed=mode == "graph")
-        dec.fill_random(n, seed=n)
-        dec.tokens.copy_(torch.randint(0, VOCAB, (b, 1), generator=torch.Generator().manual_seed(n)).to(dev))
         trace = os.path.join(trace_dir, f"{n}_b{b}_{decoder}_{mode}_rank{rank}.json.gz")
-        events, ev_ms = profile_steps(dec, a.profile_steps, TIMED_WARMUP, trace)
+        with pdl_for(mode):
+            dec = StaticDecoder(model, group, batch=b, capacity=cap, decoder=decoder, graphed=is_graphed(mode))
+            dec.fill_random(n, seed=n)
+            dec.tokens.copy_(torch.randint(0, VOCAB, (b, 1), generator=torch.Generator().manual_seed(n)).to(dev))
+            events, ev_ms = profile_steps(dec, a.profile_steps, TIMED_WARMUP, trace)
         kv_tokens = -(-(n + TIMED_WARMUP + a.profile_steps // 2) // world)
         steps = steps_of(events, torch.cuda.current_device() if dev.type == "cuda" else None)
         if len(steps) == a.profile_steps:

@@ -33,6 +33,8 @@ import os
 
 import torch
 
+from . import _launch
+
 try:
     import triton
     import triton.language as tl
@@ -95,8 +97,11 @@ if triton is not None:
                         H_KV, S, SPLIT_LEN, NUM_SPLITS, scale_log2,
                         NQ: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         D: tl.constexpr, HAS_KPOS: tl.constexpr, HAS_QPOS: tl.constexpr, HAS_KLEN: tl.constexpr,
-                        PREC: tl.constexpr):
+                        PREC: tl.constexpr, PDL: tl.constexpr = False):
         # Phase 1: program (b * h_kv + kv head, split) -> partial (o, lse) of its NQ * G rows over its keys.
+        if PDL:     # (_launch.pdl) the cache's new slot and q come from the kernels before: wait for them first
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         pid_bh, split = tl.program_id(0), tl.program_id(1)
         bi, kh = pid_bh // H_KV, pid_bh % H_KV
         bi = bi.to(tl.int64)        # batch offsets of a large cache (b x capacity x h_kv x d) pass 2^31
@@ -139,10 +144,13 @@ if triton is not None:
 
     @triton.jit
     def _merge_kernel(O, L, OUT, LSE, NUM_PARTS, ROWS, O_PART, O_GROUP, L_PART, L_GROUP,
-                      PARTS: tl.constexpr, D: tl.constexpr):
+                      PARTS: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr = False):
         # Program (group, row) merges the NUM_PARTS partials of its row: partial i of row r of group g is the D
         # values at O + g * O_GROUP + i * O_PART + r * D and the lse at L + g * L_GROUP + i * L_PART + r
         # (element offsets). The merged row goes to OUT (stored in OUT's dtype) and its lse to LSE (fp32).
+        if PDL:                                     # (_launch.pdl) everything it reads comes from before
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         grp, row = tl.program_id(0), tl.program_id(1)
         sp = tl.arange(0, PARTS)
         sp_ok = sp < NUM_PARTS
@@ -164,8 +172,10 @@ def _merge(o, lse, groups, parts, rows, part_stride, group_stride, out=None, out
     d = o.shape[-1]
     out = torch.empty(groups * rows, d, device=o.device, dtype=out_dtype) if out is None else out
     out_lse = torch.empty(groups * rows, device=o.device, dtype=torch.float32) if out_lse is None else out_lse
+    pdl = _launch.pdl(o.device)
     _merge_kernel[(groups, rows)](o, lse, out, out_lse, parts, rows, part_stride * d, group_stride * d,
-                                  part_stride, group_stride, PARTS=triton.next_power_of_2(parts), D=d, num_warps=4)
+                                  part_stride, group_stride, PARTS=triton.next_power_of_2(parts), D=d, PDL=pdl,
+                                  launch_pdl=pdl, num_warps=4)
     return out, out_lse
 
 
@@ -181,8 +191,9 @@ def merge_packed(parts, d: int, out_dtype=torch.float32, out=None, out_lse=None)
     R = width // (d + 1)
     out = torch.empty(R, d, device=parts.device, dtype=out_dtype) if out is None else out
     out_lse = torch.empty(R, device=parts.device, dtype=torch.float32) if out_lse is None else out_lse
+    pdl = _launch.pdl(parts.device)
     _merge_kernel[(1, R)](parts, parts[0, R * d:], out, out_lse, P, R, width, 0, width, 0,
-                          PARTS=triton.next_power_of_2(P), D=d, num_warps=4)
+                          PARTS=triton.next_power_of_2(P), D=d, PDL=pdl, launch_pdl=pdl, num_warps=4)
     return out, out_lse
 
 
@@ -279,6 +290,7 @@ def flash_decode(q, k, v, *, scale: float | None = None, kv_positions=None, q_po
     kpos = kv_positions.contiguous() if kv_positions is not None else part_l     # a dummy pointer when absent
     qpos = q_positions.contiguous() if q_positions is not None else part_l
     klen = kv_lengths if kv_lengths is not None else part_l
+    pdl = _launch.pdl(q.device)
     _partial_kernel[(b * h_kv, splits)](
         q, k, v, kpos, qpos, klen, part_o, part_l,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -287,7 +299,7 @@ def flash_decode(q, k, v, *, scale: float | None = None, kv_positions=None, q_po
         NQ=n_q, G=g, BLOCK_M=block_m, BLOCK_N=BLOCK_N, D=d,
         HAS_KPOS=kv_positions is not None, HAS_QPOS=q_positions is not None, HAS_KLEN=kv_lengths is not None,
         PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4,   # fp32 exact; tf32 is moot for bf16
-        num_stages=_stages(d, k.element_size()))
+        num_stages=_stages(d, k.element_size()), PDL=pdl, launch_pdl=pdl)
     # Phase 2: partial i of row r of (batch, KV head) x is row (x * splits + i) * block_m + r.
     rows = b * h_kv * n_q * g
     if out is not None and (out[0].shape != (rows, d) or out[1].shape != (rows,) or out[0].dtype != torch.float32

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from . import _launch
 from .flash_decode import available
 
 try:
@@ -69,14 +70,22 @@ if triton is not None:
     def _gemv_kernel(X, W, B, R, Y, M, N, K, sx, sr, sy, HAS_BIAS: tl.constexpr, GELU: tl.constexpr,
                      HAS_RES: tl.constexpr,
                      ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
-                     PRECISION: tl.constexpr):
+                     PRECISION: tl.constexpr, PDL: tl.constexpr):
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         nm = rn < N
         w_rows = W + rn.to(tl.int64)[:, None] * K
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+        # The first K block of the weight depends on no earlier kernel: with PDL it loads while that kernel ends.
+        rk = tl.arange(0, BLOCK_K)
+        km = rk < K
+        w0 = tl.load(w_rows + rk[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+        if PDL:
+            tl.extra.cuda.gdc_wait()                       # x, the bias and the residual are read after this
         if ROWS == 1:
             # one row: multiply-accumulate elementwise, one reduction over K at the end
-            acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
+            acc2 = w0.to(tl.float32) * tl.load(X + rk, mask=km, other=0.0).to(tl.float32)[None, :]
+            for k0 in range(BLOCK_K, K, BLOCK_K):
                 rk = k0 + tl.arange(0, BLOCK_K)
                 km = rk < K
                 x = tl.load(X + rk, mask=km, other=0.0).to(tl.float32)
@@ -87,8 +96,11 @@ if triton is not None:
         else:
             rm = tl.arange(0, ROWS)
             mm = rm < M
-            acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
+            x = tl.load(X + rm[:, None] * sx + rk[None, :], mask=mm[:, None] & km[None, :], other=0.0)
+            if UPCAST:
+                x, w0 = x.to(tl.float32), w0.to(tl.float32)
+            acc = tl.dot(x, tl.trans(w0), input_precision=PRECISION)
+            for k0 in range(BLOCK_K, K, BLOCK_K):
                 rk = k0 + tl.arange(0, BLOCK_K)
                 km = rk < K
                 x = tl.load(X + rm[:, None] * sx + rk[None, :], mask=mm[:, None] & km[None, :], other=0.0)
@@ -126,11 +138,12 @@ def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, gelu: bool = False,
          residual: torch.Tensor | None = None, backend: str | None = None,
-         block: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+         block: tuple[int, int, int, int] | None = None, pdl: bool | None = None) -> torch.Tensor:
     """x [..., K] @ weight [N, K].T (+ bias [N]) (-> exact GELU) (+ residual [..., N] of x's dtype): [..., N] of
     x's dtype, a new tensor. backend None: the kernel where `takes` says so, the reference elsewhere; "triton"
     forces the kernel (Triton's CPU interpreter in tests) and raises where it cannot take the operands. block:
-    (BLOCK_N, BLOCK_K, num_warps, num_stages) instead of config()'s (the benchmark's sweep)."""
+    (BLOCK_N, BLOCK_K, num_warps, num_stages) instead of config()'s (the benchmark's sweep). pdl: launch with
+    programmatic dependent launch (None: where _launch.pdl says so)."""
     K = x.shape[-1]
     if weight.dim() != 2 or weight.shape[1] != K:
         raise ValueError(f"gemv: weight must be [N, {K}] (x's last dimension), got {tuple(weight.shape)}")
@@ -160,6 +173,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if M:
         bn, bk, warps, stages = block or config(M, N, K)
         rows = 1 if M == 1 else MAX_ROWS
+        pdl = _launch.pdl(x.device) if pdl is None else pdl
         _gemv_kernel[(triton.cdiv(N, bn),)](x2, weight, weight if bias is None else bias, y if r2 is None else r2,
                                              y, M, N, K, x2.stride(0), 0 if r2 is None else r2.stride(0),
                                              y.stride(0), HAS_BIAS=bias is not None, GELU=gelu,
@@ -167,6 +181,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
                                              ROWS=rows, BLOCK_N=bn, BLOCK_K=bk,
                                              UPCAST=_INTERPRETED and x.dtype != torch.float32,
                                              # fp32 operands: Triton's default is TF32 (1e-3 off on an H100)
-                                             PRECISION="ieee" if x.dtype == torch.float32 else None, num_warps=warps,
-                                             num_stages=stages)
+                                             PRECISION="ieee" if x.dtype == torch.float32 else None, PDL=pdl,
+                                             launch_pdl=pdl, num_warps=warps, num_stages=stages)
     return y.reshape(*x.shape[:-1], N)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from . import _launch
 from .flash_decode import available
 
 try:
@@ -46,26 +47,33 @@ def norm_reference(x: torch.Tensor, weight, bias, eps: float, *, rms: bool = Tru
 if triton is not None:
     @triton.jit
     def _norm_kernel(X, W, B, Y, sx, sy, N, eps, RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-                     BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr, PDL: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         m = cols < N
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+        # the weights depend on no earlier kernel: with PDL they load while that kernel ends
+        w = tl.load(W + cols, mask=m, other=0.0).to(tl.float32) if HAS_W else 1.0
+        b = tl.load(B + cols, mask=m, other=0.0).to(tl.float32) if HAS_B else 0.0
+        if PDL:
+            tl.extra.cuda.gdc_wait()
         x = tl.load(X + row * sx + cols, mask=m, other=0.0).to(tl.float32)
         if not RMS:
             x = tl.where(m, x - tl.sum(x, 0) / N, 0.0)
         y = x * tl.rsqrt(tl.sum(x * x, 0) / N + eps)
         if HAS_W:
-            y = y * tl.load(W + cols, mask=m, other=0.0).to(tl.float32)
+            y = y * w
         if HAS_B:
-            y = y + tl.load(B + cols, mask=m, other=0.0).to(tl.float32)
+            y = y + b
         tl.store(Y + row * sy + cols, y.to(Y.dtype.element_ty), mask=m)
 
 
 def fused_norm(x: torch.Tensor, weight=None, bias=None, eps: float = 1e-5, *, rms: bool = True,
-               backend: str | None = None) -> torch.Tensor:
+               backend: str | None = None, pdl: bool | None = None) -> torch.Tensor:
     """Norm of x [..., n] over its last dimension (contiguous), weight, bias [n] or None; a new tensor of x's
     dtype. backend None: Triton on CUDA devices, the reference elsewhere; "triton" forces the kernel (Triton's
-    CPU interpreter in tests)."""
+    CPU interpreter in tests). pdl: launch with programmatic dependent launch (None: where _launch.pdl says so)."""
     n = x.shape[-1]
     for name, t in (("weight", weight), ("bias", bias)):
         if t is not None and tuple(t.shape) != (n,):
@@ -80,9 +88,10 @@ def fused_norm(x: torch.Tensor, weight=None, bias=None, eps: float = 1e-5, *, rm
                              f"{x.dtype}")
         return norm_reference(x, weight, bias, eps, rms=rms)
     rows = x.reshape(-1, n)                                     # a view for the decode step's [1, b, n]
+    pdl = _launch.pdl(x.device) if pdl is None else pdl
     y = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     _norm_kernel[(rows.shape[0],)](rows, weight if weight is not None else rows, bias if bias is not None else rows,
                                    y, rows.stride(0), y.stride(0), n, eps, RMS=rms, HAS_W=weight is not None,
-                                   HAS_B=bias is not None, BLOCK=triton.next_power_of_2(n),
-                                   num_warps=4 if n <= 4096 else 8)
+                                   HAS_B=bias is not None, BLOCK=triton.next_power_of_2(n), PDL=pdl,
+                                   launch_pdl=pdl, num_warps=4 if n <= 4096 else 8)
     return y.view(x.shape)

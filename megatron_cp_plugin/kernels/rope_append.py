@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from . import _launch
 from .flash_decode import HEAD_DIMS, available
 
 try:
@@ -59,8 +60,11 @@ if triton is not None:
     @triton.jit
     def _rope_append_kernel(Q, K, V, COS, SIN, SLOT, QO, KC, VC,
                             sqb, sqh, skb, skh, svb, svh, skcb, skct, skch, svcb, svct, svch,
-                            H, H_KV, HALF, D: tl.constexpr):
+                            H, H_KV, HALF, D: tl.constexpr, PDL: tl.constexpr = False):
         # Program (sequence, row): rows [0, H) rotate q, [H, H + H_KV) rotate k into the cache, the rest copy v.
+        if PDL:                   # (_launch.pdl) q, k, v, cos, sin, the slot: all written by the kernels before
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         bi, j = tl.program_id(0).to(tl.int64), tl.program_id(1)     # cache offsets can pass 2^31
         dims = tl.arange(0, D)
         rot = dims < 2 * HALF
@@ -106,9 +110,10 @@ def rope_append(q, k, v, cos, sin, slot, k_cache, v_cache, *, out=None, backend:
     if any(x.stride(-1) != 1 for x in (q, k, v, k_cache, v_cache)):
         raise ValueError("rope_append: q, k, v and the caches need a contiguous last (head_dim) dimension")
     out = torch.empty(b, 1, h, d, dtype=q.dtype, device=q.device) if out is None else out
+    pdl = _launch.pdl(q.device)
     _rope_append_kernel[(b, h + 2 * h_kv)](
         q, k, v, cos, sin, slot, out, k_cache, v_cache,
         q.stride(0), q.stride(2), k.stride(0), k.stride(2), v.stride(0), v.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-        v_cache.stride(2), h, h_kv, cos.shape[0], D=d, num_warps=1)
+        v_cache.stride(2), h, h_kv, cos.shape[0], D=d, PDL=pdl, launch_pdl=pdl, num_warps=1)
     return out
