@@ -8,6 +8,7 @@
 #      at 128k, each next to the floor (weights + this rank's KV shard at 4.3 TB/s). For these rows the KV cache
 #      is filled with random K, V instead of a prefill (a 512k prefill takes minutes; a step reads the same bytes).
 #      A configuration that does not fit in memory is a row saying so ("not run: needs X GiB of Y GiB free").
+#      PDL=both (default; on, off): each graphed row again without programmatic dependent launch ('graph-nopdl').
 #   B. megatron-cp-generate, fp32, a 4k prompt, 32 greedy tokens, graphed: CP = 2 tokens equal CP = 1 tokens.
 #   C. megatron-cp-generate at a 128k prompt (bf16, real prefill, graphed), tree then ring: prefill time,
 #      per-token latency, tokens/s and the floor as a user sees them.
@@ -28,8 +29,8 @@ prompt() { python3 -c "import random; random.seed($1); print(''.join(random.choi
 prompt 4096; prompt 131072
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader >> "$OUT/summary.txt" 2>&1
 
-step A 200 torchrun --nproc-per-node 2 -m megatron_cp_plugin.bench.decode --model --context 131072 524288 \
-  --batch 1 8 --tokens 32 --check-context 16384 --eager-context 131072 --out "$OUT/decode_model"
+step A 280 torchrun --nproc-per-node 2 -m megatron_cp_plugin.bench.decode --model --context 131072 524288 \
+  --batch 1 8 --tokens 32 --check-context 16384 --eager-context 131072 --pdl "${PDL:-both}" --out "$OUT/decode_model"
 for n in 1 2; do
   step "B_cp$n" 70 torchrun --nproc-per-node $n -m megatron_cp_plugin.inference.cli $M --prompt-file /tmp/prompt_4096.txt \
     --max-new-tokens 32 --context-parallel-algo ring --decode-mode graph --result-json "$OUT/cp$n.json"

@@ -26,7 +26,10 @@ BUDGET=${BUDGET:-300}                     # seconds for everything; a step gets 
 STEPS=${STEPS:-10}
 source "$(dirname "$0")/gpu_steps.sh"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader >> "$OUT/summary.txt" 2>&1
-P="-m megatron_cp_plugin.bench.decode --model --profile --profile-steps $STEPS --batch 1 --eager-context"
+# PDL=both (default): each graphed configuration also without programmatic dependent launch ('graph-nopdl'), whose
+# per-part times are the ones to read: with PDL a kernel starts before the one ahead of it ends, so part times
+# overlap and only busy, idle and wall add up.
+P="-m megatron_cp_plugin.bench.decode --model --profile --profile-steps $STEPS --batch 1 --eager-context --pdl ${PDL:-both}"
 
 step N 60 python3 -m megatron_cp_plugin.bench norm --out "$OUT/norm"     # the fused norm against torch's
 step BA 60 python3 -m megatron_cp_plugin.bench bias-add --out "$OUT/bias_add"   # the fused bias + residual add

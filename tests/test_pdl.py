@@ -54,7 +54,7 @@ def _chain(x, w_big, w1, b1, w2, nw, cos, sin, slot, kc, vc):
     from megatron_cp_plugin.kernels.rope_append import rope_append
 
     big = gemv(x, w_big)                                           # [1, 32768]: 256 MB of weight, ~90 us
-    h = big[:, :4096]
+    h = big[:, -4096:]                 # written by the slow kernel's last programs, as the next one starts
     n = fused_norm(h, nw, None, 1e-5, rms=True)                    # right after the slow kernel
     f = gemv(n, w1, b1, gelu=True) * 1.0                           # and a plain torch kernel in between
     r = gemv(f, w2, None, residual=h)                              # [1, 4096]

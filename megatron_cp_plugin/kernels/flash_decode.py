@@ -97,11 +97,8 @@ if triton is not None:
                         H_KV, S, SPLIT_LEN, NUM_SPLITS, scale_log2,
                         NQ: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         D: tl.constexpr, HAS_KPOS: tl.constexpr, HAS_QPOS: tl.constexpr, HAS_KLEN: tl.constexpr,
-                        PREC: tl.constexpr, PDL: tl.constexpr = False):
+                        PREC: tl.constexpr):
         # Phase 1: program (b * h_kv + kv head, split) -> partial (o, lse) of its NQ * G rows over its keys.
-        if PDL:     # (_launch.pdl) the cache's new slot and q come from the kernels before: wait for them first
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
         pid_bh, split = tl.program_id(0), tl.program_id(1)
         bi, kh = pid_bh // H_KV, pid_bh % H_KV
         bi = bi.to(tl.int64)        # batch offsets of a large cache (b x capacity x h_kv x d) pass 2^31
@@ -290,7 +287,10 @@ def flash_decode(q, k, v, *, scale: float | None = None, kv_positions=None, q_po
     kpos = kv_positions.contiguous() if kv_positions is not None else part_l     # a dummy pointer when absent
     qpos = q_positions.contiguous() if q_positions is not None else part_l
     klen = kv_lengths if kv_lengths is not None else part_l
-    pdl = _launch.pdl(q.device)
+    # The split kernel launches without PDL (its merge after it with): launched early, its two programs per SM
+    # measured slower. One H100, the 8B step graphed (2026-11-26): with PDL here 5.76 / 10.17 ms at 32k / 128k,
+    # without it 5.67 / 9.76, no PDL anywhere 5.88 / 10.00. Likely the early programs are placed while the
+    # kernels before still hold SMs, unevenly, and the kernel ends on its busiest SM.
     _partial_kernel[(b * h_kv, splits)](
         q, k, v, kpos, qpos, klen, part_o, part_l,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -299,7 +299,7 @@ def flash_decode(q, k, v, *, scale: float | None = None, kv_positions=None, q_po
         NQ=n_q, G=g, BLOCK_M=block_m, BLOCK_N=BLOCK_N, D=d,
         HAS_KPOS=kv_positions is not None, HAS_QPOS=q_positions is not None, HAS_KLEN=kv_lengths is not None,
         PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4,   # fp32 exact; tf32 is moot for bf16
-        num_stages=_stages(d, k.element_size()), PDL=pdl, launch_pdl=pdl)
+        num_stages=_stages(d, k.element_size()))
     # Phase 2: partial i of row r of (batch, KV head) x is row (x * splits + i) * block_m + r.
     rows = b * h_kv * n_q * g
     if out is not None and (out[0].shape != (rows, d) or out[1].shape != (rows,) or out[0].dtype != torch.float32
