@@ -294,25 +294,41 @@ def table_decode(hw_names=("h200-nvlink", "h200-sockets")) -> list[Table]:
     return out
 
 
+def decode_step_rows(meas: dict) -> list[tuple[dict, dict]]:
+    """(row, decode_step_time's prediction) for each row of one measured decode-step set: a row's own batch, pdl,
+    mem_bw and small_per_layer override the set's."""
+    from megatron_cp_plugin.cost.decode import DecodeModel, decode_step_time
+
+    m, hw = DecodeModel(**meas["model"]), HARDWARE[meas["hardware"]]
+    return [(r, decode_step_time(m, r["context"], r["world"], hw, batch=r.get("batch", 1),
+                                 mem_bw=r.get("mem_bw", meas["mem_bw"]), pdl=r.get("pdl", meas["pdl"]),
+                                 small_per_layer=r.get("small_per_layer", meas["small_per_layer"])))
+            for r in meas["rows"]]
+
+
 def table_decode_step() -> list[Table]:
     """Whole graphed decode steps of the 8B shape (cost/decode.decode_step_time): the measured rows against the
     model, then predictions at CP = 1-8 on H100 and H200."""
     from megatron_cp_plugin.cost.decode import DecodeModel, decode_step_time
 
-    meas = load_measured()["decode_step"]
-    m = DecodeModel(**meas["model"])
-    hw = HARDWARE[meas["hardware"]]
-    rows = []
-    for r in meas["rows"]:
-        p = decode_step_time(m, r["context"], r["world"], hw, mem_bw=meas["mem_bw"],
-                             small_per_layer=meas["small_per_layer"])
-        rows.append({"CP": r["world"], "context": _k(r["context"]), "measured ms": r["ms"],
-                     "predicted ms": p["total"] * 1e3, "error": p["total"] * 1e3 / r["ms"] - 1,
-                     "x floor measured": r["ms"] / (p["floor"] * 1e3)})
-    out = [Table(f"decode step, measured against the model ({meas['device']}, {meas['mem_bw'] / 1e12:.2f} TB/s "
-                 "measured; the 8B shape, batch 1, graphed, tree; constants fitted on the CP = 1 rows)", rows,
-                 {"measured ms": lambda v: f"{v:.2f}", "predicted ms": lambda v: f"{v:.2f}",
-                  "error": lambda v: f"{v:+.1%}", "x floor measured": lambda v: f"{v:.2f}"})]
+    measured = load_measured()
+    out = []
+    for key, what in (("decode_step", "constants fitted on the first two rows"),
+                      ("decode_step_h200", "a check: nothing fitted on it")):
+        meas = measured[key]
+        m = DecodeModel(**meas["model"])
+        rows = []
+        for r, p in decode_step_rows(meas):
+            rows.append({"CP": r["world"], "context": _k(r["context"]), "batch": r.get("batch", 1),
+                         "PDL": "on" if r.get("pdl", meas["pdl"]) else "off",
+                         "TB/s": r.get("mem_bw", meas["mem_bw"]) / 1e12, "measured ms": r["ms"],
+                         "predicted ms": p["total"] * 1e3, "error": p["total"] * 1e3 / r["ms"] - 1,
+                         "x floor measured": r["ms"] / (p["floor"] * 1e3)})
+        out.append(Table(f"decode step, measured against the model ({meas['device']}; the 8B shape, graphed, tree; "
+                         f"{what})", rows,
+                         {"TB/s": lambda v: f"{v:.2f}", "measured ms": lambda v: f"{v:.2f}",
+                          "predicted ms": lambda v: f"{v:.2f}", "error": lambda v: f"{v:+.1%}",
+                          "x floor measured": lambda v: f"{v:.2f}"}))
     rows = []
     for name in ("h100-ib", "h200-nvlink"):
         for P in (1, 2, 4, 8):
@@ -322,7 +338,7 @@ def table_decode_step() -> list[Table]:
                              "floor ms": p["floor"] * 1e3, "x floor": p["total"] / p["floor"],
                              "tokens/s over CP = 1": decode_step_time(m, S, 1, HARDWARE[name])["total"] / p["total"]})
     out.append(Table("decode step predicted (the 8B shape, batch 1, graphed, tree allgather at P > 1; the fused "
-                     "linears with the residual adds inside: 4 small kernels a layer; hw.mem_bw as the floor's "
+                     "linears with the residual adds inside: 4 small kernels a layer; PDL; hw.mem_bw as the floor's "
                      "bandwidth)", rows, {c: (lambda v: f"{v:.2f}") for c in ("ms", "floor ms", "x floor",
                                                                           "tokens/s over CP = 1")}))
     return out

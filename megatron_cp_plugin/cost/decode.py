@@ -153,6 +153,12 @@ SMALL_KERNEL_S = 2.0e-6
 ops: 436 us over 216 kernels a step)."""
 GRAPH_GAP_S = 0.65e-6
 """Idle device time after each kernel of a replayed graph (243-286 us over 410 kernels a step)."""
+PDL_GAP_S = 0.05e-6
+"""The same with programmatic dependent launch (kernels/_launch.pdl): the step's Triton kernels start before the one
+ahead ends, and the measured steps lost ~0.6 us a kernel (graphed, batch 1, the 8B shape, with against without in
+one run: 1 H100 32k 5.67 / 5.88 ms; 1 H200 32k 4.40 / 4.61, 128k 7.25 / 7.46; 2 x H200 CP = 2 128k 5.85 / 6.07,
+512k 11.49 / 11.71; 0.21-0.22 ms over 346-410 kernels). Not at batch 8 on one H200 (32k: 12.40 against 11.84 ms
+without; 2 x H200 128k: 20.43 / 20.51): the model keeps one gap for every batch."""
 SMALL_KERNELS_PER_LAYER = 4
 """Per layer besides the four linears and the attention: two norms, megatron-core's q reshape copy, RoPE + append
 (the residual adds are inside fc2's and the projection's kernels, the biases and GELU inside the linears')."""
@@ -192,12 +198,14 @@ class DecodeModel:
 
 
 def decode_step_time(m: DecodeModel, context: int, world: int, hw: Hardware, *, batch: int = 1,
-                     mem_bw: float | None = None, small_per_layer: int = SMALL_KERNELS_PER_LAYER) -> dict[str, float]:
+                     mem_bw: float | None = None, small_per_layer: int = SMALL_KERNELS_PER_LAYER,
+                     pdl: bool = True) -> dict[str, float]:
     """Predicted seconds of one graphed decode step of model `m` (batch 1-8, tree decoding, the allgather merge at
     P > 1) and its parts: gemm (every weight once at GEMV_EFFICIENCY), attention and exchange (predict_decode per
     layer, graphed), small (SMALL_KERNEL_S each), gaps (GRAPH_GAP_S after every kernel), total; and floor, the
     bandwidth floor (weights + this rank's KV shard) / mem_bw. mem_bw: the bandwidth measured in a run (default
-    hw.mem_bw); small_per_layer: the layers' small kernels (6 before the residual adds went into the linears)."""
+    hw.mem_bw); small_per_layer: the layers' small kernels (6 before the residual adds went into the linears);
+    pdl: the kernels launch with programmatic dependent launch (PDL_GAP_S after each instead of GRAPH_GAP_S)."""
     bw = hw.mem_bw if mem_bw is None else mem_bw
     if not bw > 0:
         raise ValueError(f"mem_bw must be positive, got {mem_bw!r}")
@@ -209,7 +217,7 @@ def decode_step_time(m: DecodeModel, context: int, world: int, hw: Hardware, *, 
     kernels = m.layers * (4 + small_per_layer + _DECODE_KERNELS["local"] + (2 if world > 1 else 0)) + STEP_KERNELS
     parts = {"gemm": weights / (bw * GEMV_EFFICIENCY), "attention": m.layers * local,
              "exchange": m.layers * (attn - local), "small": (m.layers * small_per_layer + STEP_KERNELS - 2)
-             * SMALL_KERNEL_S, "gaps": kernels * GRAPH_GAP_S}
+             * SMALL_KERNEL_S, "gaps": kernels * (PDL_GAP_S if pdl else GRAPH_GAP_S)}
     parts["total"] = sum(parts.values())
     kv = 2 * m.layers * batch * pb.shard * m.kv_heads * m.head_dim * m.dtype_bytes
     parts["floor"] = (weights + kv) / bw
