@@ -143,7 +143,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     x's dtype, a new tensor. backend None: the kernel where `takes` says so, the reference elsewhere; "triton"
     forces the kernel (Triton's CPU interpreter in tests) and raises where it cannot take the operands. block:
     (BLOCK_N, BLOCK_K, num_warps, num_stages) instead of config()'s (the benchmark's sweep). pdl: launch with
-    programmatic dependent launch (None: where _launch.pdl says so)."""
+    programmatic dependent launch (None: for one row, where _launch.pdl says so)."""
     K = x.shape[-1]
     if weight.dim() != 2 or weight.shape[1] != K:
         raise ValueError(f"gemv: weight must be [N, {K}] (x's last dimension), got {tuple(weight.shape)}")
@@ -173,7 +173,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if M:
         bn, bk, warps, stages = block or config(M, N, K)
         rows = 1 if M == 1 else MAX_ROWS
-        pdl = _launch.pdl(x.device) if pdl is None else pdl
+        if pdl is None:
+            # One row only: with PDL the graphed step at batch 8 was slower on one H200 (32k: 12.40 against 11.84 ms
+            # with no PDL anywhere; batch 1 4.40 against 4.61), so the 2-16 row path launches as it did before.
+            pdl = M == 1 and _launch.pdl(x.device)
         _gemv_kernel[(triton.cdiv(N, bn),)](x2, weight, weight if bias is None else bias, y if r2 is None else r2,
                                              y, M, N, K, x2.stride(0), 0 if r2 is None else r2.stride(0),
                                              y.stride(0), HAS_BIAS=bias is not None, GELU=gelu,
