@@ -99,6 +99,7 @@ def _cases(rank, world, algo, dtype, grid=None):
 
 
 CASES = [(w, a) for a in ("ring", "burst", "allgather") for w in WORLD_SIZES] + [(w, "ring-te") for w in (2, 4)] + [
+    (w, "allgather") for w in (5, 8)] + [              # allgather's grouped calls (P >= 4): more early / late splits
     (w, a) for a in mcp.ALGORITHMS if a.startswith("attention2d") or a in HEAD_A2A for w in GRID_WORLD_SIZES]
 
 
@@ -111,6 +112,58 @@ DTYPE_CASES = [pytest.param(w, a, torch.float32, id=f"{w}-{a}-fp32") for w, a in
 @pytest.mark.parametrize("world,algo,dtype", DTYPE_CASES)
 def test_matches_fp64_reference(pools, world, algo, dtype):
     assert all(pools(world).run(_cases, algo, dtype, timeout=120))
+
+
+def _grouped_allgather(rank, world):
+    """allgather's grouped calls at batch 1 (the keys are views of the gathered chunks): fp64 and fp32 against the
+    fp64 reference, causal and not, MHA and GQA; and how many kernel calls a rank made."""
+    from megatron_cp_plugin.algos import allgather
+
+    calls = {"fwd": 0, "bwd": 0}
+    fwd, bwd = allgather.block_fwd, allgather.block_bwd
+
+    def count(name, f):
+        def wrapped(*a, **kw):
+            calls[name] += 1
+            return f(*a, **kw)
+        return wrapped
+
+    allgather.block_fwd, allgather.block_bwd = count("fwd", fwd), count("bwd", bwd)
+    bad, counts = [], []
+    try:
+        for i, (causal, (h, hk), dtype) in enumerate(itertools.product((True, False), HEADS,
+                                                                       (torch.float64, torch.float32))):
+            g = torch.Generator().manual_seed(500 + i)
+            q, k, v, do = (torch.randn(1, 2 * world * 3, n, 16, generator=g, dtype=dtype) for n in (h, hk, hk, h))
+            mask = "causal" if causal else "none"
+            qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
+            o_ref, _ = attention_reference(qr, kr, vr, mask=mask)
+            ref = (o_ref.detach(),) + torch.autograd.grad(o_ref, (qr, kr, vr), do.double())
+            shard = lambda t: mcp.shard_sequence(t, algo="allgather").detach()  # noqa: E731
+            ql, kl, vl = (shard(t).requires_grad_() for t in (q, k, v))
+            calls.update(fwd=0, bwd=0)
+            o = mcp.context_parallel_attention(ql, kl, vl, algo="allgather", causal=causal)
+            o.backward(shard(do))
+            counts.append((causal, calls["fwd"], calls["bwd"]))
+            for n, x, r in zip(("o", "dq", "dk", "dv"), (o, ql.grad, kl.grad, vl.grad), ref):
+                err = _rel(x, shard(r))
+                if not err <= (1e-12 if dtype == torch.float64 else 1e-5):
+                    bad.append(f"P={world} rank {rank} {dtype} causal={causal} h={h}/{hk}: {n} rel err {err:.3g}")
+    finally:
+        allgather.block_fwd, allgather.block_bwd = fwd, bwd
+    return bad, counts
+
+
+@pytest.mark.parametrize("world", (4, 6))
+def test_allgather_groups_its_calls_at_batch_one(pools, world):
+    """From P = 4 on, a rank's allgather pass is at most four kernel calls (own triangle, earlier first chunks,
+    later first and second chunks; one without a causal mask), not one per owner, and exact at batch 1, where
+    the grouped keys are views of the gathered chunks."""
+    for rank, (bad, counts) in enumerate(pools(world).run(_grouped_allgather)):
+        assert not bad, "\n".join(bad)
+        want = 1 + (rank > 0) + 2 * (rank < world - 1)
+        for causal, f, b in counts:
+            assert (f, b) == ((want, want) if causal else (1, 1)), (rank, causal, f, b)
 
 
 def _large_cases(rank, world, algo, dtype):

@@ -126,8 +126,9 @@ def _algo(m, algo, grid=None):
     ("ring", (1, 1), 2 * 512 + 4 * 128 + 256, 512 + 4 * 128 + 6 * 256 + 2048),                  # 1792, 4608
     # P = 4 > 2: (Q, dO, D, lse) in hand and in flight 4Q + 4L; D; 3Qa; 2Ka; surrogate Q; max(3Qa, blk); G
     ("burst", (1, 1), 1792, (4 * 256 + 4 * 128) + 128 + 3 * 512 + 2 * 256 + 256 + 2048 + 512),   # 6528
-    # stack 2K, gathered 2PK, 2Qa, Q; backward 2PK + 2PKa + Qa + reduce max(8PK = 4096, 3584)
-    ("allgather", (1, 1), 2 * 128 + 2 * 4 * 128 + 2 * 512 + 256, 2 * 4 * 128 + 2 * 4 * 256 + 512 + 4096),
+    # P = 4: grouped calls, gathered 2PK, 2Qa, Q, the call's keys (P - 1)K; backward 2PK + 2PKa + Qa + the
+    # largest of reduce max(8PK = 4096, 3584) and the call 2(Q + 3K) + ws + 3K = 2688
+    ("allgather", (1, 1), 2 * 4 * 128 + 2 * 512 + 256 + 3 * 128, 2 * 4 * 128 + 2 * 4 * 256 + 512 + 4096),
     # one K, V head per member (k_U = 1): Kh = 8*4*1*4*2 = 256, heads = Q + 2Kh = 768
     ("ulysses", (1, 4), 768 + 4 * 768 - 256, 6 * 768 + 2 * 256),                                   # 3584, 5120
     # R = C = 2: n = 2 chunks per kernel call (t = 8), gq = 2Q = 512, gkv = 2RK = 512; forward 2K + gq + gkv +
@@ -144,6 +145,14 @@ def test_each_algorithms_buffers_are_what_its_code_allocates(algo, grid, forward
     assert (got.forward, got.backward) == (forward, backward)
     # one rank: the local block alone (Qa + Q; blk + Qa + 2Ka), whatever the algorithm
     assert plan_terms.terms(algo, dataclasses.replace(GQA, cp=1)) == plan_terms.Terms(0, 768, 2048 + 512 + 512)
+
+
+def test_allgather_below_its_grouped_calls_stacks_k_v():
+    """P = 3 < allgather.GROUPED_MIN_P: one call per owner; the forward's torch.stack([k, v]) (2K), gathered 2PK,
+    2Qa, Q; backward 2PK + 2PKa + Qa + the largest of blk (2G + ws = 2048), reduce max(8PK = 3072, 2688)."""
+    got = plan_terms.terms("allgather", dataclasses.replace(GQA, cp=3))
+    assert (got.forward, got.backward) == (2 * 128 + 2 * 3 * 128 + 2 * 512 + 256, 2 * 3 * 128 + 2 * 3 * 256 + 512
+                                           + 3072)
 
 
 def test_the_algorithms_backward_buffers_set_the_backward_moment():

@@ -18,6 +18,14 @@ to the prefix of the gathered sequence it sees with a bottom-right-aligned causa
 Here the prefix is cut at shard boundaries instead, so that every kernel call is a whole block ("none") or a
 square "causal" one, which every backend runs, and the same per-block code serves packed documents.
 
+From GROUPED_MIN_P ranks on (unpacked), the blocks that share a mask go in one kernel call: K, V are gathered
+as their zigzag chunks (causal: each rank's first and second chunk in collectives of their own, so that the
+first chunks of ranks i..j are one contiguous run of keys), and a rank makes at most four calls, whatever P:
+its own block (a causal triangle), all rows against the first chunks of the ranks before it, and its second
+chunk's rows against the first and against the second chunks of the ranks after it (non-causal: one call over
+every key). At P = 64 that is 4 calls a pass where one per owner made 64, each on 1k x 2k tokens at 128k, whose
+host time (~100 us a cuDNN backward call) and small-kernel rate bound a rank (docs/performance.md, issue 34).
+
 Bytes sent per rank and call (e = element size, n_kv = b * s_local * h_kv * d):
   forward  (P - 1) * 2 * n_kv * e                 (K, V all-gathered)
   backward (P - 1) * 2 * n_kv * e                 (K, V all-gathered again)
@@ -34,10 +42,88 @@ from ..kernels.merge import merge_
 from ._function import CPAttention, in_zigzag_order, saving_inputs
 from ._zigzag import ALL, zigzag_blocks
 
+GROUPED_MIN_P = 4
+"""Ranks from which the grouped calls run: at P = 4 a rank makes at most 4 calls either way, below it the grouped
+calls would be more (P = 3, rank 1: 4 against 3)."""
+
+
+def _grouped(P: int, packing) -> bool:
+    return P >= GROUPED_MIN_P and packing is None
+
+
+def _gather_chunks(group, k, v, causal: bool, stats, phase: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The grouped calls' keys: [(K, V) of every rank, [P, b, n, h_kv, d]]: causal, the first zigzag chunks
+    (n = s / 2) then the second; else the whole shards. Two or four collectives of the stacked path's bytes."""
+    half = k.shape[1] // 2
+    cuts = (slice(0, half), slice(half, None)) if causal else (ALL,)
+    return [tuple(all_gather(group, t[:, c].contiguous(), stats, phase) for t in (k, v)) for c in cuts]
+
+
+def _grouped_calls(r: int, P: int, s: int, causal: bool) -> list[tuple[slice, int | None, slice, str]]:
+    """[(query rows, chunk part (None: this rank's own k, v), owners, mask)] of rank r's grouped calls, the first
+    covering every query row. Zigzag: rank i holds chunks i and 2P-1-i; query chunk r sees the chunks before it,
+    query chunk 2P-1-r every first chunk and the second chunks of the ranks after r."""
+    if not causal:
+        return [(ALL, 0, slice(0, P), "none")]
+    half = slice(s // 2, None)
+    calls = [(ALL, None, slice(r, r + 1), "causal")]
+    if r > 0:
+        calls.append((ALL, 0, slice(0, r), "none"))
+    if r < P - 1:
+        calls += [(half, 0, slice(r + 1, P), "none"), (half, 1, slice(r + 1, P), "none")]
+    return calls
+
+
+def _keys(part: torch.Tensor, owners: slice) -> torch.Tensor:
+    """The owners' chunks of a gathered [P, b, n, h_kv, d] as one run of keys [b, m * n, h_kv, d] (a view at
+    b = 1, the case of long-context training; a copy for b > 1)."""
+    x = part[owners]
+    m, b, n = x.shape[:3]
+    return x.transpose(0, 1).reshape(b, m * n, *x.shape[3:])
+
+
+def _grouped_forward(group, q, k, v, *, causal, scale, backend, stats=None):
+    P, r, s = dist.get_world_size(group), dist.get_rank(group), q.shape[1]
+    parts = _gather_chunks(group, k, v, causal, stats, "forward")
+    o = lse = None
+    for qs, part, owners, mask in _grouped_calls(r, P, s, causal):
+        kk, vv = (k, v) if part is None else (_keys(parts[part][0], owners), _keys(parts[part][1], owners))
+        o_blk, lse_blk = block_fwd(q[:, qs], kk, vv, mask=mask, scale=scale, backend=backend)
+        if o is None:                                                 # the first call covers every row
+            o, lse = o_blk.to(acc_dtype(q.dtype)), lse_blk
+        else:
+            merge_(o[:, qs], lse[:, :, qs], o_blk, lse_blk)
+    return o.to(q.dtype), lse
+
+
+def _grouped_backward(group, do, q, k, v, o, lse, *, causal, scale, backend, stats=None):
+    P, r, s = dist.get_world_size(group), dist.get_rank(group), q.shape[1]
+    acc = acc_dtype(q.dtype)
+    parts = _gather_chunks(group, k, v, causal, stats, "backward")
+    dkv_part = torch.zeros((P, 2) + tuple(k.shape), dtype=acc, device=k.device)
+    cut = [slice(0, s // 2), slice(s // 2, None)] if causal else [ALL]
+    dq = None
+    for qs, part, owners, mask in _grouped_calls(r, P, s, causal):
+        kk, vv = (k, v) if part is None else (_keys(parts[part][0], owners), _keys(parts[part][1], owners))
+        dq_b, dk_b, dv_b = block_bwd(do[:, qs], q[:, qs], kk, vv, o[:, qs], lse[:, :, qs], mask=mask, scale=scale,
+                                     backend=backend)
+        if dq is None:                                                # the first call covers every row
+            dq = dq_b.to(acc)
+        else:
+            dq[:, qs].add_(dq_b)
+        ks = ALL if part is None else cut[part]
+        for i, g in ((0, dk_b), (1, dv_b)):                           # each owner's rows of this call's keys
+            dst = dkv_part[owners, i][:, :, ks]                       # [m, b, n, h_kv, d]
+            dst.add_(g.reshape(dst.shape[1], dst.shape[0], *dst.shape[2:]).transpose(0, 1))
+    dkv = reduce_at_owner(group, dkv_part, r, q.dtype, stats)        # [2, b, s, h_kv, d] in fp32
+    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
 
 def _forward(group, q, k, v, *, causal, scale, backend, stats=None, packing=None):
     """q [b, s, h, d], k, v [b, s, h_kv, d] (zigzag shards) -> (o in q.dtype, lse [b, h, s] fp32)."""
     P, r, s = dist.get_world_size(group), dist.get_rank(group), q.shape[1]
+    if _grouped(P, packing):
+        return _grouped_forward(group, q, k, v, causal=causal, scale=scale, backend=backend, stats=stats)
     kv_all = all_gather(group, torch.stack([k, v]), stats)            # [P, 2, b, s, h_kv, d]
     o = lse = None
     for step in range(P):                                             # own block first: it covers every row
@@ -58,6 +144,9 @@ def _forward(group, q, k, v, *, causal, scale, backend, stats=None, packing=None
 def _backward(group, do, q, k, v, o, lse, *, causal, scale, backend, stats=None, packing=None):
     """(dq, dk, dv) in the input dtype from the global (o, lse) of this rank's query rows."""
     P, r, s = dist.get_world_size(group), dist.get_rank(group), q.shape[1]
+    if _grouped(P, packing):
+        return _grouped_backward(group, do, q, k, v, o, lse, causal=causal, scale=scale, backend=backend,
+                                 stats=stats)
     acc = acc_dtype(q.dtype)
     kv_all = all_gather(group, torch.stack([k, v]), stats, "backward")
     # dK, dV partial of every owner's K, V (zero where this rank's queries see none of them).

@@ -30,6 +30,7 @@ import torch.distributed as dist
 import megatron_cp_plugin as mcp
 from megatron_cp_plugin.algos import registry
 from megatron_cp_plugin import comm
+from megatron_cp_plugin.algos.allgather import GROUPED_MIN_P
 from megatron_cp_plugin.comm import group_chunks
 from megatron_cp_plugin.bench.anchors import Unavailable, builders
 from megatron_cp_plugin.bench._common import (FLOP_FORMULA, GiB, attention_flop, gather_max, init_distributed,
@@ -56,7 +57,7 @@ def input_bytes(S: int, *, h: int, hk: int, d: int, elem: int, b: int = 1) -> in
 
 
 def attention_need(algo: str, S: int, P: int, *, h: int, hk: int, d: int, elem: int, b: int = 1, grid=None,
-                   packed: bool = False, shards: bool = True) -> float:
+                   packed: bool = False, shards: bool = True, grouped: bool = True) -> float:
     """Bytes one rank newly allocates for one fwd+bwd of `algo` over P ranks on S tokens, beyond the full inputs
     (input_bytes); algo "single": one device on the whole sequence (P = 1), the reference row. The code's own
     buffers at the peak of the forward (F) or of the backward (B, with the saved o, lse), times MARGIN:
@@ -73,7 +74,9 @@ def attention_need(algo: str, S: int, P: int, *, h: int, hk: int, d: int, elem: 
       burst      ring's forward; (Q, dO, D, lse) in hand and in flight (4Q + 5L; P = 2: 2Q), dQ own, in hand,
                  arriving (3Qa), dK, dV (2Ka), the surrogate O (Q, built through 3Qa of fp32 temporaries)
       allgather  gathered K, V (2PK), fp32 partials of every owner (2PKa), reduce_at_owner's cast, packed bytes
-                 and output (6PK, bounded by 8PK: measured 7% above the count) or its fp32 sum (2PK + 2PKa + 2Ka)
+                 and output (6PK, bounded by 8PK: measured 7% above the count) or its fp32 sum (2PK + 2PKa + 2Ka);
+                 from P = GROUPED_MIN_P (unpacked) its grouped calls: no stack, keys over up to (P - 1) / 2 shards
+                 (their copies (P - 1)K at b > 1) and those calls' gradients
       ulysses    head-sharded q, k, v (Q + 2Kh, Kh = b U s k_U d e, k_U the most K, V heads a member reads), each
                  all-to-all's packing, output, reshape and reorder copies (4x what it moves); ulysses-ring adds
                  ring's terms on the head shards across its R groups
@@ -86,17 +89,19 @@ def attention_need(algo: str, S: int, P: int, *, h: int, hk: int, d: int, elem: 
                  sent (Qa + L each, C = 1: one), Q, dO, D, lse in hand and in flight, dQ accumulators (C = 1:
                  Qa, 2: 3Qa, else 4Qa), dK, dV partials (2R Ka) and the travelling one (R = 2: 4K, else 4Ka);
                  its batched passes' stack (2RK) and calls (m (2Q + L) forward, m (4Q + 2K + L) + Qa backward)
-      torch-cp-* allgather's plus its transposed copies of the full q, k, v, dO (2P (Q + K)) and 2P Ka more
+      torch-cp-* allgather's (one call per owner: grouped=False) plus its transposed copies of the full q, k, v,
+                 dO (2P (Q + K)) and 2P Ka more
       single     o, lse, dq, dk, dv and ws over the whole sequence
       packed     + the reordered q, k, v and o copies and their gradients (4Q + 4K)
 
-    grid: (R, C) of a grid algorithm (default: the registry's for P and the heads)."""
+    grid: (R, C) of a grid algorithm (default: the registry's for P and the heads); grouped=False: allgather as
+    one call per owner (what the torch-cp anchors do)."""
     algo = ANCHOR_AS.get(algo, algo)
     e, a = elem, 8 if elem == 8 else 4
     s = S // P
     if algo.startswith("torch-cp-"):       # its transposed q, k, v, dO copies; + 2P Ka: allgather's count alone came
         copies = 2 * P * b * s * (h + hk) * d * e + 2 * P * b * s * hk * d * a   # 7-11% under its measured peak
-        return attention_need("allgather", S, P, h=h, hk=hk, d=d, elem=elem, b=b) + MARGIN * copies
+        return attention_need("allgather", S, P, h=h, hk=hk, d=d, elem=elem, b=b, grouped=False) + MARGIN * copies
     Q, K, L = b * s * h * d * e, b * s * hk * d * e, b * h * s * a
     Qa, Ka = Q // e * a, K // e * a
     ws = Q // e * 4 + (2 * Q if hk < h else 0)                 # one backward call over all of the rank's rows
@@ -113,9 +118,16 @@ def attention_need(algo: str, S: int, P: int, *, h: int, hk: int, d: int, elem: 
         F = 2 * Qa + 4 * K + 2 * Q
         B = (4 * Q + 4 * L if P > 2 else 2 * Q + 2 * L) + L + 3 * Qa + 2 * Ka + Q + max(3 * Qa, blk) + G
     elif algo == "allgather":
-        F = 2 * K + 2 * P * K + 2 * Qa + 2 * Q
         reduce = max(8 * P * K, 2 * P * K + 2 * P * Ka + 2 * Ka)
-        B = 2 * P * K + 2 * P * Ka + Qa + max(blk, reduce, 2 * Ka + G)
+        if grouped and P >= GROUPED_MIN_P and not packed:
+            # grouped calls over up to (P - 1) / 2 shards of keys: their copies at b > 1 (views at b = 1), and
+            # around a backward call the last call's and this one's gradients
+            keys = (P - 1) * K if b > 1 else 0
+            F = 2 * P * K + 2 * Qa + 2 * Q + keys
+            B = 2 * P * K + 2 * P * Ka + Qa + max(2 * (Q + (P - 1) * K) + ws + keys, reduce, 2 * Ka + G)
+        else:
+            F = 2 * K + 2 * P * K + 2 * Qa + 2 * Q
+            B = 2 * P * K + 2 * P * Ka + Qa + max(blk, reduce, 2 * Ka + G)
     elif algo in ("ulysses", "ulysses-ring"):
         R, U = (1, P) if algo == "ulysses" else (grid or registry.get(algo).grid_shape(P, h, hk))
         hu, grp = max(h // U, 1), max(h // hk, 1)           # the most K, V heads a member reads (ulysses.kv_spans)

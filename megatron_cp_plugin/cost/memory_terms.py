@@ -38,6 +38,7 @@ import math
 from dataclasses import dataclass
 
 from .. import comm
+from ..algos.allgather import GROUPED_MIN_P
 from ..comm import group_chunks
 
 FSDP_MIN_UNIT = 1_000_000_000
@@ -136,9 +137,17 @@ def allgather(sh: Shape) -> Terms:
     """allgather.py. forward: torch.stack([k, v]) (2K), the gathered K, V of every rank (2PK), the fp32 o and
     merge cast (2Qa), o_blk (Q). backward: K, V gathered again (2PK), the fp32 dK, dV partial of every owner
     (2PKa: `dkv_part`), the fp32 dq (Qa), then the largest of blk, reduce_at_owner (its cast, packed bytes and
-    output: up to 8PK; or the fp32 sum: 2PK + 2PKa + 2Ka) and the results (2Ka + G)."""
+    output: up to 8PK; or the fp32 sum: 2PK + 2PKa + 2Ka) and the results (2Ka + G).
+    Grouped calls (P >= allgather.GROUPED_MIN_P): no stack (the chunks are gathered as they are); a call's keys
+    span up to (P - 1) / 2 shards, so its K, V copies (at micro-batch > 1; views at 1, counted anyway) are up to
+    (P - 1)K, and around a backward call the last call's and this one's gradients 2(Q + (P - 1)K) with ws."""
     P, K, Ka = sh.cp, sh.K, sh.Ka
     reduce = max(8 * P * K, 2 * P * K + 2 * P * Ka + 2 * Ka)
+    if P >= GROUPED_MIN_P:
+        keys = (P - 1) * K
+        call = 2 * (sh.Q + keys) + sh.ws + keys
+        return Terms(0, 2 * P * K + 2 * sh.Qa + sh.Q + keys,
+                     2 * P * K + 2 * P * Ka + sh.Qa + max(call, reduce, 2 * Ka + sh.G))
     return Terms(0, 2 * K + 2 * P * K + 2 * sh.Qa + sh.Q,
                  2 * P * K + 2 * P * Ka + sh.Qa + max(sh.blk, reduce, 2 * Ka + sh.G))
 
