@@ -41,39 +41,42 @@ def resolve_group(group):
     return group
 
 
-class Ring:
-    """Send to the next rank of `group` and receive from the previous one, asynchronously.
+def group_size(group) -> int:
+    """The members of `group` (through this module's torch.distributed, which the rank replay stands in for)."""
+    return dist.get_world_size(group)
 
-    `send_recv(tensors)` posts one batch (so NCCL runs it on its own stream while the caller computes) and
-    returns the receive buffers; `wait()` makes the current stream wait for the batch. Several rings may be
-    in flight at once (ring attention's K,V and dK,dV); every rank must post them in the same order.
-    """
+
+class Exchange:
+    """Point-to-point messages among the members of `group`, asynchronously: `post(sends, recvs)` posts one batch
+    (sends: (group rank, tensors) pairs, recvs: (group rank, contiguous destination tensors) pairs; NCCL runs it on
+    its own stream while the caller computes), `wait()` makes the current stream wait for it. Every member posts
+    its batches in the same order, and a batch's messages pair up with the peers' (ring attention's rounds: each
+    rank sends its own K, V to the next g ranks and receives those of the previous g)."""
 
     def __init__(self, group, phase: str, stats: CommStats | None = None):
         self.group, self.phase, self.stats = group, phase, stats
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        self.next = dist.get_global_rank(group, (self.rank + 1) % self.world)
-        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.world)
         # gloo's send/recv take host tensors only ("writev: Bad address" on CUDA ones): with CUDA tensors on a
         # gloo group (ranks sharing a GPU, devices.py) each message is staged through host memory.
         self._staged = dist.get_backend(group) == "gloo"
         self._works: list = []
         self._landing: list = []
 
-    def send_recv(self, tensors) -> list[torch.Tensor]:
-        send = [t.contiguous() for t in tensors]
-        recv = [torch.empty_like(t) for t in send]
-        wire_send, wire_recv = send, recv
-        if self._staged and any(t.is_cuda for t in send):
-            wire_send = [t.cpu() for t in send]                  # synchronous: the data is final when sent
-            wire_recv = [torch.empty(t.shape, dtype=t.dtype) for t in send]
-            self._landing = list(zip(wire_recv, recv))
-        ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in wire_send]
-        ops += [dist.P2POp(dist.irecv, t, self.prev, self.group) for t in wire_recv]
-        self._works = dist.batch_isend_irecv(ops)
+    def post(self, sends, recvs) -> None:
+        sends = [(p, [t.contiguous() for t in ts]) for p, ts in sends]
+        wire_sends, wire_recvs = sends, recvs
+        if self._staged and any(t.is_cuda for _, ts in sends for t in ts):
+            wire_sends = [(p, [t.cpu() for t in ts]) for p, ts in sends]        # synchronous: final when sent
+            wire_recvs = [(p, [torch.empty(t.shape, dtype=t.dtype) for t in ts]) for p, ts in recvs]
+            self._landing += [(h, d) for (_, hs), (_, ds) in zip(wire_recvs, recvs) for h, d in zip(hs, ds)]
+        glob = lambda p: dist.get_global_rank(self.group, p)  # noqa: E731
+        ops = [dist.P2POp(dist.isend, t, glob(p), self.group) for p, ts in wire_sends for t in ts]
+        ops += [dist.P2POp(dist.irecv, t, glob(p), self.group) for p, ts in wire_recvs for t in ts]
+        if ops:
+            self._works += dist.batch_isend_irecv(ops)
         if self.stats is not None:
-            self.stats.add(self.phase, sum(t.numel() * t.element_size() for t in send))
-        return recv
+            self.stats.add(self.phase, sum(t.numel() * t.element_size() for p, ts in sends for t in ts
+                                           if p != self.rank))
 
     def wait(self) -> None:
         for w in self._works:
@@ -82,6 +85,21 @@ class Ring:
         for host, dev in self._landing:                          # staged: the received bytes onto the device
             dev.copy_(host)
         self._landing = []
+
+
+class Ring(Exchange):
+    """Send to the next rank of `group` and receive from the previous one, asynchronously.
+
+    `send_recv(tensors)` posts one batch (so NCCL runs it on its own stream while the caller computes) and
+    returns the receive buffers; `wait()` makes the current stream wait for the batch. Several rings may be
+    in flight at once (ring attention's K,V and dK,dV); every rank must post them in the same order.
+    """
+
+    def send_recv(self, tensors) -> list[torch.Tensor]:
+        send = [t.contiguous() for t in tensors]
+        recv = [torch.empty_like(t) for t in send]
+        self.post([((self.rank + 1) % self.world, send)], [((self.rank - 1) % self.world, recv)])
+        return recv
 
 
 # ----------------------------------------------------------------------------------------------- CP grid

@@ -114,6 +114,29 @@ def test_matches_fp64_reference(pools, world, algo, dtype):
     assert all(pools(world).run(_cases, algo, dtype, timeout=120))
 
 
+def _ring_rounds(rank, world, algo, dtype, round_tokens):
+    """_cases with ring.ROUND_TOKENS set in this worker: the shards are 10 tokens, so 10 gives the neighbour ring
+    (g = 1) from P = 4 on and 20 rounds of two ranks (the last one short at odd P - 1); and the round size."""
+    from megatron_cp_plugin.algos import ring
+
+    saved = ring.ROUND_TOKENS
+    ring.ROUND_TOKENS = round_tokens
+    try:
+        return _cases(rank, world, algo, dtype), ring.round_size(world, 10)
+    finally:
+        ring.ROUND_TOKENS = saved
+
+
+@pytest.mark.parametrize("algo", ["ring", "ring-te", "burst"])
+@pytest.mark.parametrize("world,round_tokens,g", [(4, 10, 1), (5, 20, 2), (8, 20, 2), (6, 30, 3)])
+def test_ring_rounds_match_fp64_reference(pools, algo, world, round_tokens, g):
+    """The ring in rounds of g ranks (ring.round_size; the default's one round of P - 1 runs in the tests above),
+    fp32 against fp64 and bf16 against one device, causal and not, MHA and GQA, and the neighbour ring (g = 1) at
+    P >= 4; every byte count as before (test_byte_counters_equal_formulas runs rounds at P = 4)."""
+    for dtype in (torch.float32, torch.bfloat16):
+        assert pools(world).run(_ring_rounds, algo, dtype, round_tokens) == [(True, g)] * world
+
+
 def _grouped_allgather(rank, world):
     """allgather's grouped calls at batch 1 (the keys are views of the gathered chunks): fp64 and fp32 against the
     fp64 reference, causal and not, MHA and GQA; and how many kernel calls a rank made."""

@@ -75,7 +75,12 @@ def test_rank_subcommand_reports_every_algorithm(tmp_path, capsys, monkeypatch):
         # the launches of the local work: every (Q, K) block pair of the rank is one attention call, fwd and bwd;
         # attention2d-no on the square grid gathers Q, K, V chunks that interleave into one triangle (its one call);
         # attention2d-o on 2 x 2 batches its second forward pass's 2 chunks: one call or two, by their masks
-        calls = {("attention2d-no", "2x2"): (2,), ("attention2d-o", "2x2"): (7, 8)}.get((r["algo"], r["grid"]), (8,))
+        # ring and ring-te run in rounds at 16 tokens a rank (ring.round_size: one round of 3), a pass being the own
+        # triangle and up to three calls (earlier first chunks, later first and second chunks); burst's forward is
+        # ring's, its backward one call a step
+        rounds = 1 + (r["rank"] > 0) + 2 * (r["rank"] < 3)
+        calls = {("attention2d-no", "2x2"): (2,), ("attention2d-o", "2x2"): (7, 8), ("ring", "-"): (2 * rounds,),
+                 ("ring-te", "-"): (2 * rounds,), ("burst", "-"): (rounds + 4,)}.get((r["algo"], r["grid"]), (8,))
         assert r["ops"] > r["attn_calls"] and r["attn_calls"] in calls, (r["algo"], r["grid"])
         assert r["copies"] > 0 and r["copy_MB"] > 0
     assert "rank" in res["command"] and (tmp_path / "rank.md").read_text().count("\n| ") == len(rows) + 1
@@ -110,29 +115,29 @@ def test_replay_need_arithmetic():
 
 def test_rank_subcommand_reports_rows_that_do_not_fit_as_not_run(tmp_path, monkeypatch):
     """With less free memory than P = 2's rank needs, that row is a not-run row (before anything of it is
-    allocated), P = 4's runs, and so does the one-device ideal."""
+    allocated), P = 3's runs (the neighbour ring: below ring.ROUND_MIN_P), and so does the one-device ideal."""
     from megatron_cp_plugin.bench import _common
     from megatron_cp_plugin.bench.rank_replay import replay_need, shard_bytes, single_need
 
-    args = (64, 4, 2, 16, 2)                       # S, h, h_kv, d, bf16
-    at = {P: shard_bytes(64, P, *args[1:]) + replay_need("ring", 64, P, *args[1:]) for P in (2, 4)}
-    assert max(at[4], single_need(*args)) < at[2]
-    free = (max(at[4], single_need(*args)) + replay_need("ring", 64, 2, *args[1:])) / 2
-    assert free < replay_need("ring", 64, 2, *args[1:])      # P = 2's shards are held when its row is checked
+    args = (48, 4, 2, 16, 2)                       # S, h, h_kv, d, bf16
+    at = {P: shard_bytes(48, P, *args[1:]) + replay_need("ring", 48, P, *args[1:]) for P in (2, 3)}
+    assert max(at[3], single_need(*args)) < at[2]
+    free = (max(at[3], single_need(*args)) + replay_need("ring", 48, 2, *args[1:])) / 2
+    assert free < replay_need("ring", 48, 2, *args[1:])      # P = 2's shards are held when its row is checked
     monkeypatch.setattr(_common, "free_bytes", lambda device: free)
     monkeypatch.setattr(sys, "argv", ["megatron-cp-bench", "rank"])
     stem = tmp_path / "rank"
-    assert bench_main(["rank", "--seq-len", "64", "--cp", "2", "4", "--heads", "4", "--kv-heads", "2",
+    assert bench_main(["rank", "--seq-len", "48", "--cp", "2", "3", "--heads", "4", "--kv-heads", "2",
                        "--head-dim", "16", "--iters", "1", "--budget-s", "0", "--algos", "ring",
                        "--out", str(stem)]) == 0
     rows = {r["P"]: r for r in json.loads((tmp_path / "rank.json").read_text())["rows"]}
-    assert rows[4]["fwd_ms"] > 0 and rows[4]["x_ideal"] > 0 and "not_run" not in rows[4]
+    assert rows[3]["fwd_ms"] > 0 and rows[3]["x_ideal"] > 0 and "not_run" not in rows[3]
     assert rows[2]["not_run"].startswith("not run: needs ") and "fwd_ms" not in rows[2]
     # the report keeps the row first, its reason in the last column (after the columns of the rows that ran)
     md = (tmp_path / "rank.md").read_text().splitlines()
     assert md[2].startswith("| S | h/h_kv | P | algo | grid | rank | fwd_ms |") and md[2].endswith("| not_run |")
     where = torch.cuda.get_device_name() if torch.cuda.is_available() else "this CPU"   # the device the rows use
-    assert md[4].startswith("| 64 | 4/2 | 2 | ring | - |") and md[4].endswith(f" not run: needs 0.0 GiB of 0.0 GiB "
+    assert md[4].startswith("| 48 | 4/2 | 2 | ring | - |") and md[4].endswith(f" not run: needs 0.0 GiB of 0.0 GiB "
                                                                              f"free on {where} |")
 
 

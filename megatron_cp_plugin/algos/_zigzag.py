@@ -47,3 +47,11 @@ def zigzag_blocks(q_owner: int, kv_owner: int, s_local: int, causal: bool, packi
     if kv_owner < q_owner:                        # key chunk c precedes both query chunks; 2P-1-c follows both
         return [(a, a, "none", seg), (b, a, "none", seg)]
     return [(b, a, "none", seg), (b, b, "none", seg)]   # query chunk a precedes both keys, 2P-1-a follows both
+
+
+def chunk_run(part, rows: slice):
+    """Rows `rows` of stacked chunks [m, b, n, h, d] (one chunk of each of m ranks) as one run of keys
+    [b, m' n, h, d]: a view at b = 1 (long-context training's micro-batch), a copy for b > 1."""
+    x = part[rows]
+    m, b, n = x.shape[:3]
+    return x.transpose(0, 1).reshape(b, m * n, *x.shape[3:])

@@ -40,7 +40,7 @@ from ..comm import CommStats, all_gather, reduce_at_owner
 from ..kernels.local_attn import acc_dtype, block_bwd, block_fwd
 from ..kernels.merge import merge_
 from ._function import CPAttention, in_zigzag_order, saving_inputs
-from ._zigzag import ALL, zigzag_blocks
+from ._zigzag import ALL, chunk_run, zigzag_blocks
 
 GROUPED_MIN_P = 4
 """Ranks from which the grouped calls run: at P = 4 a rank makes at most 4 calls either way, below it the grouped
@@ -74,20 +74,12 @@ def _grouped_calls(r: int, P: int, s: int, causal: bool) -> list[tuple[slice, in
     return calls
 
 
-def _keys(part: torch.Tensor, owners: slice) -> torch.Tensor:
-    """The owners' chunks of a gathered [P, b, n, h_kv, d] as one run of keys [b, m * n, h_kv, d] (a view at
-    b = 1, the case of long-context training; a copy for b > 1)."""
-    x = part[owners]
-    m, b, n = x.shape[:3]
-    return x.transpose(0, 1).reshape(b, m * n, *x.shape[3:])
-
-
 def _grouped_forward(group, q, k, v, *, causal, scale, backend, stats=None):
     P, r, s = dist.get_world_size(group), dist.get_rank(group), q.shape[1]
     parts = _gather_chunks(group, k, v, causal, stats, "forward")
     o = lse = None
     for qs, part, owners, mask in _grouped_calls(r, P, s, causal):
-        kk, vv = (k, v) if part is None else (_keys(parts[part][0], owners), _keys(parts[part][1], owners))
+        kk, vv = (k, v) if part is None else (chunk_run(parts[part][0], owners), chunk_run(parts[part][1], owners))
         o_blk, lse_blk = block_fwd(q[:, qs], kk, vv, mask=mask, scale=scale, backend=backend)
         if o is None:                                                 # the first call covers every row
             o, lse = o_blk.to(acc_dtype(q.dtype)), lse_blk
@@ -104,7 +96,7 @@ def _grouped_backward(group, do, q, k, v, o, lse, *, causal, scale, backend, sta
     cut = [slice(0, s // 2), slice(s // 2, None)] if causal else [ALL]
     dq = None
     for qs, part, owners, mask in _grouped_calls(r, P, s, causal):
-        kk, vv = (k, v) if part is None else (_keys(parts[part][0], owners), _keys(parts[part][1], owners))
+        kk, vv = (k, v) if part is None else (chunk_run(parts[part][0], owners), chunk_run(parts[part][1], owners))
         dq_b, dk_b, dv_b = block_bwd(do[:, qs], q[:, qs], kk, vv, o[:, qs], lse[:, :, qs], mask=mask, scale=scale,
                                      backend=backend)
         if dq is None:                                                # the first call covers every row

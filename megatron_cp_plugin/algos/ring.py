@@ -5,6 +5,9 @@ Forward: K, V travel the ring; each step's block result merges into the running 
 Backward: K, V travel the ring again, and the dK, dV accumulators of each K, V block travel with it one step
 behind, ending on their owner. The next step's send/recv is posted before the current block's compute so the
 two overlap on GPU. Packed sequences (cu_seqlens): each step is the varlen calls of `_zigzag.zigzag_blocks`.
+Short shards (under ROUND_TOKENS, from ROUND_MIN_P ranks on) run in rounds (`round_size`): a rank meets the K, V of
+g ranks per round in at most three kernel calls, each rank sending its own K, V straight to the next g and each
+dK, dV partial straight to its owner; the same bytes, g times fewer calls.
 
 Bytes sent per rank and call (e = element size, n_kv = b * s_local * h_kv * d, acc = 4, or 8 for fp64):
   forward  (P - 1) * 2 * n_kv * e                       (K, V)
@@ -18,15 +21,138 @@ from __future__ import annotations
 
 import torch
 
-from ..comm import CommStats, Ring
+from ..comm import CommStats, Exchange, Ring, group_size
 from ..kernels.local_attn import acc_dtype, block_bwd, block_fwd
 from ..kernels.merge import accumulate_, merge_
 from ._function import CPAttention, in_zigzag_order, saving_inputs
-from ._zigzag import ALL, zigzag_blocks
+from ._zigzag import ALL, chunk_run, zigzag_blocks
+
+ROUND_TOKENS = 16384
+"""Keys a kernel call should meet at least: with shards shorter than this the ring runs in rounds (`round_size`).
+Why: at 128k over P = 64 (2k tokens a rank) one call per step on 1k x 2k blocks left a rank host-bound at 2.1-3.1x
+the ideal (one H100, issue 34: ~100 us of host time a cuDNN backward call, the kernels themselves 2.2x the ideal
+at that size), where Attention2D-NO's two calls of whole triangles took 1.15-1.23x; at 8k tokens a rank
+(P = 16) one call a step ran at 1.1-1.2x."""
+ROUND_MIN_P = 4
+"""Rounds from this many ranks on: below it a round's calls (up to three) would outnumber the steps they replace."""
+
+
+def round_size(P: int, s_local: int, packing=None) -> int:
+    """g, the ranks whose K, V one round meets: 1 (the neighbour ring, one block a step) for packed sequences, below
+    ROUND_MIN_P and for shards of ROUND_TOKENS or more; else enough ranks for ROUND_TOKENS keys, at most P - 1.
+
+    In rounds each rank sends its own K, V straight to the next g ranks and receives the previous g ranks' (one
+    batch of messages, the next round's posted before this round's compute, as the ring posts its next hop): the
+    bytes of the ring, in g-times fewer and larger kernel calls. The zigzag chunks of a round's ranks go in at
+    most three calls, whatever g (`_round_calls`); the backward sends each dK, dV partial straight to its owner,
+    which sums them (fp32 on the wire, ring-te: the input dtype, as the travelling accumulators of the ring)."""
+    if packing is not None or P < ROUND_MIN_P or s_local >= ROUND_TOKENS:
+        return 1
+    return min(P - 1, -(-ROUND_TOKENS // max(1, s_local)))
+
+
+def _chunks(k, v, causal: bool) -> tuple[list[slice], list]:
+    """The rows a round sends of this rank's K, V: causal, its two zigzag chunks apart (k1, v1, k2, v2), so that a
+    round's first chunks are one run of keys; else (k, v)."""
+    half = k.shape[1] // 2
+    cuts = [slice(0, half), slice(half, None)] if causal else [ALL]
+    return cuts, [t[:, c].contiguous() for c in cuts for t in (k, v)]
+
+
+def _post_round(ex: Exchange, dists: list[int], mine: list) -> list:
+    """Send `mine` to the ranks dists ahead, receive the same from the ranks dists behind: [len(dists), ...]
+    buffers, one per tensor of mine, row i from the rank dists[i] behind."""
+    P, r = ex.world, ex.rank
+    bufs = [torch.empty((len(dists),) + tuple(t.shape), dtype=t.dtype, device=t.device) for t in mine]
+    ex.post([((r + d) % P, mine) for d in dists], [((r - d) % P, [b[i] for b in bufs]) for i, d in enumerate(dists)])
+    return bufs
+
+
+def _round_calls(r: int, dists: list[int], s: int, causal: bool) -> list[tuple[slice, int, slice, str]]:
+    """[(query rows, chunk part, round rows, mask)] of one round on rank r. A rank dists[i] behind is before r when
+    dists[i] <= r (no wrap): every query row sees its first chunk; one after r shows both chunks to the second query
+    chunk only (zigzag: rank i holds chunks i and 2P-1-i). dists increase, so each kind is a run of round rows."""
+    m = len(dists)
+    if not causal:
+        return [(ALL, 0, slice(0, m), "none")]
+    ne, late = sum(d <= r for d in dists), slice(s // 2, None)
+    calls = [(ALL, 0, slice(0, ne), "none")] if ne else []
+    if ne < m:
+        calls += [(late, 0, slice(ne, m), "none"), (late, 1, slice(ne, m), "none")]
+    return calls
+
+
+def _rounds(P: int, g: int) -> list[list[int]]:
+    """The distances of each round: [1 .. g], [g + 1 .. 2g], ..., up to P - 1."""
+    return [list(range(i, min(i + g, P))) for i in range(1, P, g)]
+
+
+def _forward_rounds(group, q, k, v, *, causal, scale, backend, stats, g):
+    """ring_forward in rounds of g ranks (round_size)."""
+    ex = Exchange(group, "forward", stats)
+    P, r, s = ex.world, ex.rank, q.shape[1]
+    _, mine = _chunks(k, v, causal)
+    rounds = _rounds(P, g)
+    nxt = _post_round(ex, rounds[0], mine)
+    o, lse = block_fwd(q, k, v, mask="causal" if causal else "none", scale=scale, backend=backend)   # own block
+    o = o.to(acc_dtype(q.dtype))
+    for i, dists in enumerate(rounds):
+        ex.wait()
+        bufs = nxt
+        if i + 1 < len(rounds):                                 # the next round's K, V travel during this compute
+            nxt = _post_round(ex, rounds[i + 1], mine)
+        for qs, c, sel, mask in _round_calls(r, dists, s, causal):
+            o_blk, lse_blk = block_fwd(q[:, qs], chunk_run(bufs[2 * c], sel), chunk_run(bufs[2 * c + 1], sel),
+                                       mask=mask, scale=scale, backend=backend)
+            merge_(o[:, qs], lse[:, :, qs], o_blk, lse_blk)     # online-softmax merge (Alg. 1, lines 13-16)
+    return o.to(q.dtype), lse
+
+
+def _backward_rounds(group, do, q, k, v, o, lse, *, causal, scale, backend, stats, g, wire):
+    """The ring's backward in rounds of g ranks: K, V as in _forward_rounds; each round's dK, dV partials (fp32, in
+    `wire` where given) go straight to their owners, who sum them in fp32 with their own."""
+    ex_kv, ex_d = Exchange(group, "backward", stats), Exchange(group, "backward", stats)
+    P, r, s = ex_kv.world, ex_kv.rank, q.shape[1]
+    acc = acc_dtype(q.dtype)
+    cuts, mine = _chunks(k, v, causal)
+    rounds = _rounds(P, g)
+    nxt = _post_round(ex_kv, rounds[0], mine)
+    dq, dk, dv = (t.to(acc) for t in block_bwd(do, q, k, v, o, lse, mask="causal" if causal else "none",
+                                                scale=scale, backend=backend))
+    back = None                                                 # our partials from the last round's holders
+    for i, dists in enumerate(rounds):
+        ex_kv.wait()
+        bufs = nxt
+        if i + 1 < len(rounds):
+            nxt = _post_round(ex_kv, rounds[i + 1], mine)
+        part = torch.zeros((len(dists), 2) + tuple(k.shape), dtype=acc, device=k.device)
+        for qs, c, sel, mask in _round_calls(r, dists, s, causal):
+            dq_b, dk_b, dv_b = block_bwd(do[:, qs], q[:, qs], chunk_run(bufs[2 * c], sel),
+                                         chunk_run(bufs[2 * c + 1], sel), o[:, qs], lse[:, :, qs], mask=mask,
+                                         scale=scale, backend=backend)
+            dq[:, qs].add_(dq_b)
+            for j, grad in ((0, dk_b), (1, dv_b)):              # each source's rows of this call's keys
+                dst = part[sel, j][:, :, cuts[c]]               # [m, b, n, h_kv, d]
+                dst.add_(grad.reshape(dst.shape[1], dst.shape[0], *dst.shape[2:]).transpose(0, 1))
+        if back is not None:
+            ex_d.wait()
+            dk += back[:, 0].sum(0, dtype=acc)
+            dv += back[:, 1].sum(0, dtype=acc)
+        send = part if wire is None else part.to(wire)
+        back = torch.empty_like(send)
+        ex_d.post([((r - d) % P, [send[j]]) for j, d in enumerate(dists)],
+                  [((r + d) % P, [back[j]]) for j, d in enumerate(dists)])
+    ex_d.wait()
+    dk += back[:, 0].sum(0, dtype=acc)
+    dv += back[:, 1].sum(0, dtype=acc)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 def ring_forward(group, q, k, v, *, causal, scale, backend, stats=None, packing=None):
     """q [b, s, h, d], k, v [b, s, h_kv, d] (zigzag shards) -> (o [b, s, h, d] in q.dtype, lse [b, h, s] fp32)."""
+    g = round_size(group_size(group), q.shape[1], packing)
+    if g > 1:
+        return _forward_rounds(group, q, k, v, causal=causal, scale=scale, backend=backend, stats=stats, g=g)
     ring = Ring(group, "forward", stats)
     P, r, s = ring.world, ring.rank, q.shape[1]
     o = lse = None
@@ -55,6 +181,10 @@ def ring_forward(group, q, k, v, *, causal, scale, backend, stats=None, packing=
 def _backward(group, do, q, k, v, o, lse, *, causal, scale, backend, stats=None, packing=None, wire=None):
     """Gradients (dq, dk, dv) in the input dtype, from the global o, lse of this rank's query rows; `wire`:
     the dtype the travelling dK, dV accumulators are sent in (None: the accumulator's)."""
+    g = round_size(group_size(group), q.shape[1], packing)
+    if g > 1:
+        return _backward_rounds(group, do, q, k, v, o, lse, causal=causal, scale=scale, backend=backend, stats=stats,
+                                g=g, wire=wire)
     ring_kv, ring_dkv = Ring(group, "backward", stats), Ring(group, "backward", stats)
     P, r, s = ring_kv.world, ring_kv.rank, q.shape[1]
     acc = acc_dtype(q.dtype)

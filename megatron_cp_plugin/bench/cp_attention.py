@@ -31,6 +31,7 @@ import megatron_cp_plugin as mcp
 from megatron_cp_plugin.algos import registry
 from megatron_cp_plugin import comm
 from megatron_cp_plugin.algos.allgather import GROUPED_MIN_P
+from megatron_cp_plugin.algos.ring import round_size
 from megatron_cp_plugin.comm import group_chunks
 from megatron_cp_plugin.bench.anchors import Unavailable, builders
 from megatron_cp_plugin.bench._common import (FLOP_FORMULA, GiB, attention_flop, gather_max, init_distributed,
@@ -70,7 +71,9 @@ def attention_need(algo: str, S: int, P: int, *, h: int, hk: int, d: int, elem: 
                  workspace ws: cuDNN's / FA2's fp32 dQ accumulator (Qa) and with GQA dK, dV expanded to every q
                  head (2Q; the single-device rows measured exactly Q + L + G + ws)
       ring       K, V in hand and in flight (4K, forward and backward), fp32 o, merge cast (2Qa), dq (Qa), dK, dV:
-                 own, in hand, arriving (6Ka); ring-te the same or less
+                 own, in hand, arriving (6Ka); ring-te the same or less. In rounds of g ranks (ring.round_size):
+                 4gK in hand and in flight, fp32 dq, dk, dv and partials (Qa + 2Ka + 6gKa), a call's gradients
+                 over g ranks' keys twice (2(Q + 2gK)) and ws, and at b > 1 the copied chunks and keys
       burst      ring's forward; (Q, dO, D, lse) in hand and in flight (4Q + 5L; P = 2: 2Q), dQ own, in hand,
                  arriving (3Qa), dK, dV (2Ka), the surrogate O (Q, built through 3Qa of fp32 temporaries)
       allgather  gathered K, V (2PK), fp32 partials of every owner (2PKa), reduce_at_owner's cast, packed bytes
@@ -111,11 +114,15 @@ def attention_need(algo: str, S: int, P: int, *, h: int, hk: int, d: int, elem: 
     if algo == "single":
         return MARGIN * (saved + G + ws)
     base = (2 * Q + 2 * K if shards else 0) + (4 * Q + 4 * K if packed else 0)
+    g = round_size(P, s, packing=True if packed else None)
+    copies = 2 * K + 2 * g * K if g > 1 and b > 1 else 0      # rounds at b > 1: the chunks sent, a call's keys
+    ring_f = (2 * Qa + 4 * g * K + 2 * Q if g > 1 else 2 * Qa + 4 * K + 2 * Q) + copies
     if algo in ("ring", "ring-te"):
-        F = 2 * Qa + 4 * K + 2 * Q
-        B = Qa + 4 * K + 6 * Ka + blk
+        F = ring_f
+        B = (4 * g * K + Qa + 2 * Ka + 6 * g * Ka + 2 * (Q + 2 * g * K) + ws + copies if g > 1
+             else Qa + 4 * K + 6 * Ka + blk)
     elif algo == "burst":
-        F = 2 * Qa + 4 * K + 2 * Q
+        F = ring_f
         B = (4 * Q + 4 * L if P > 2 else 2 * Q + 2 * L) + L + 3 * Qa + 2 * Ka + Q + max(3 * Qa, blk) + G
     elif algo == "allgather":
         reduce = max(8 * P * K, 2 * P * K + 2 * P * Ka + 2 * Ka)

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 from .. import comm
 from ..algos.allgather import GROUPED_MIN_P
+from ..algos.ring import round_size
 from ..comm import group_chunks
 
 FSDP_MIN_UNIT = 1_000_000_000
@@ -119,7 +120,16 @@ def ring(sh: Shape) -> Terms:
     """ring.py (and ring-te). saved: (q, k, v, o, lse), 0. forward: K, V in hand and in flight (4K: `nxt =
     ring.send_recv(kv)`), the fp32 o and merge_'s fp32 cast of o_blk (2Qa), o_blk (Q). backward: the fp32 dq (Qa),
     K, V in hand and in flight (4K), the fp32 dK, dV accumulators own, in hand and arriving (6Ka: dk_own,
-    dk_acc, dkv_in), blk."""
+    dk_acc, dkv_in), blk.
+    In rounds of g ranks (ring.round_size > 1; micro-batch 1, where the chunks sent and a call's keys are views):
+    a round's K, V in hand and the next one's in flight (4gK); backward the fp32 dq, dk, dv (Qa + 2Ka), this round's
+    fp32 partials and the last round's sent and arriving (6gKa; ring-te sends and receives them in the input
+    dtype, counted as fp32), and around a call over up to g ranks' keys the last call's gradients and its own
+    (2(Q + 2gK)) with ws."""
+    g = round_size(sh.cp, sh.tokens)
+    if g > 1:
+        return Terms(0, 2 * sh.Qa + 4 * g * sh.K + sh.Q,
+                     4 * g * sh.K + sh.Qa + 2 * sh.Ka + 6 * g * sh.Ka + 2 * (sh.Q + 2 * g * sh.K) + sh.ws)
     return Terms(0, 2 * sh.Qa + 4 * sh.K + sh.Q, sh.Qa + 4 * sh.K + 6 * sh.Ka + sh.blk)
 
 
