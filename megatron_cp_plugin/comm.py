@@ -46,6 +46,11 @@ def group_size(group) -> int:
     return dist.get_world_size(group)
 
 
+def group_rank(group) -> int:
+    """This process's rank in `group` (as group_size)."""
+    return dist.get_rank(group)
+
+
 class Exchange:
     """Point-to-point messages among the members of `group`, asynchronously: `post(sends, recvs)` posts one batch
     (sends: (group rank, tensors) pairs, recvs: (group rank, contiguous destination tensors) pairs; NCCL runs it on

@@ -65,7 +65,7 @@ def test_rank_subcommand_reports_every_algorithm(tmp_path, capsys, monkeypatch):
     rows = res["rows"]
     seen = {(r["algo"], r["grid"], r["h/h_kv"]) for r in rows}
     for hk in ("4/4", "4/2"):
-        for algo in ("ring", "ring-te", "burst"):
+        for algo in ("ring", "ring-te", "burst", "allgather"):
             assert (algo, "-", hk) in seen
         for algo in GRID_ALGOS:
             assert {(algo, "2x2", hk), (algo, "4x1", hk)} <= seen
@@ -80,7 +80,8 @@ def test_rank_subcommand_reports_every_algorithm(tmp_path, capsys, monkeypatch):
         # ring's, its backward one call a step
         rounds = 1 + (r["rank"] > 0) + 2 * (r["rank"] < 3)
         calls = {("attention2d-no", "2x2"): (2,), ("attention2d-o", "2x2"): (7, 8), ("ring", "-"): (2 * rounds,),
-                 ("ring-te", "-"): (2 * rounds,), ("burst", "-"): (rounds + 4,)}.get((r["algo"], r["grid"]), (8,))
+                 ("ring-te", "-"): (2 * rounds,), ("burst", "-"): (rounds + 4,),
+                 ("allgather", "-"): (2 * rounds,)}.get((r["algo"], r["grid"]), (8,))    # allgather: its groups
         assert r["ops"] > r["attn_calls"] and r["attn_calls"] in calls, (r["algo"], r["grid"])
         assert r["copies"] > 0 and r["copy_MB"] > 0
     assert "rank" in res["command"] and (tmp_path / "rank.md").read_text().count("\n| ") == len(rows) + 1

@@ -34,9 +34,8 @@ Bytes sent per rank and call (e = element size, n_kv = b * s_local * h_kv * d):
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from ..comm import CommStats, all_gather, reduce_at_owner
+from ..comm import CommStats, all_gather, group_rank, group_size, reduce_at_owner
 from ..kernels.local_attn import acc_dtype, block_bwd, block_fwd
 from ..kernels.merge import merge_
 from ._function import CPAttention, in_zigzag_order, saving_inputs
@@ -75,7 +74,7 @@ def _grouped_calls(r: int, P: int, s: int, causal: bool) -> list[tuple[slice, in
 
 
 def _grouped_forward(group, q, k, v, *, causal, scale, backend, stats=None):
-    P, r, s = dist.get_world_size(group), dist.get_rank(group), q.shape[1]
+    P, r, s = group_size(group), group_rank(group), q.shape[1]
     parts = _gather_chunks(group, k, v, causal, stats, "forward")
     o = lse = None
     for qs, part, owners, mask in _grouped_calls(r, P, s, causal):
@@ -89,7 +88,7 @@ def _grouped_forward(group, q, k, v, *, causal, scale, backend, stats=None):
 
 
 def _grouped_backward(group, do, q, k, v, o, lse, *, causal, scale, backend, stats=None):
-    P, r, s = dist.get_world_size(group), dist.get_rank(group), q.shape[1]
+    P, r, s = group_size(group), group_rank(group), q.shape[1]
     acc = acc_dtype(q.dtype)
     parts = _gather_chunks(group, k, v, causal, stats, "backward")
     dkv_part = torch.zeros((P, 2) + tuple(k.shape), dtype=acc, device=k.device)
@@ -113,7 +112,7 @@ def _grouped_backward(group, do, q, k, v, o, lse, *, causal, scale, backend, sta
 
 def _forward(group, q, k, v, *, causal, scale, backend, stats=None, packing=None):
     """q [b, s, h, d], k, v [b, s, h_kv, d] (zigzag shards) -> (o in q.dtype, lse [b, h, s] fp32)."""
-    P, r, s = dist.get_world_size(group), dist.get_rank(group), q.shape[1]
+    P, r, s = group_size(group), group_rank(group), q.shape[1]
     if _grouped(P, packing):
         return _grouped_forward(group, q, k, v, causal=causal, scale=scale, backend=backend, stats=stats)
     kv_all = all_gather(group, torch.stack([k, v]), stats)            # [P, 2, b, s, h_kv, d]
@@ -135,7 +134,7 @@ def _forward(group, q, k, v, *, causal, scale, backend, stats=None, packing=None
 
 def _backward(group, do, q, k, v, o, lse, *, causal, scale, backend, stats=None, packing=None):
     """(dq, dk, dv) in the input dtype from the global (o, lse) of this rank's query rows."""
-    P, r, s = dist.get_world_size(group), dist.get_rank(group), q.shape[1]
+    P, r, s = group_size(group), group_rank(group), q.shape[1]
     if _grouped(P, packing):
         return _grouped_backward(group, do, q, k, v, o, lse, causal=causal, scale=scale, backend=backend,
                                  stats=stats)

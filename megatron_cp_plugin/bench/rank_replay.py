@@ -50,10 +50,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .. import comm
 from ..cost import compute as cost_compute
 from ..cost import HARDWARE, Problem, predict
+from ..algos.allgather import GROUPED_MIN_P, allgather_attention
 from ..algos.attention2d import attention2d_no
 from ..algos.attention2d_o import attention2d_o
 from ..algos.burst import burst_attention
-from ..algos.ring import ring_attention, ring_te_attention
+from ..algos.ring import ring_attention, ring_te_attention, round_size
 from ..kernels import local_attn
 from ..kernels import _launch as kernels_launch
 from ._common import FLOP_FORMULA, attention_flop, not_fitting, write_report
@@ -61,7 +62,7 @@ from .cp_attention import MARGIN, attention_need, input_bytes
 from ._replay_comm import ReplayDist, patched
 
 ALGOS = {"ring": ring_attention, "ring-te": ring_te_attention, "burst": burst_attention,
-         "attention2d-no": attention2d_no, "attention2d-o": attention2d_o}
+         "allgather": allgather_attention, "attention2d-no": attention2d_no, "attention2d-o": attention2d_o}
 GRID_ALGOS = ("attention2d-no", "attention2d-o")
 
 
@@ -300,8 +301,12 @@ def _receives(algo, P, h, hk, d, s, e, grid) -> int:
     dtype, so kinds that share one count twice here: the prepared bytes measured on an H200 were 0.2-1.0x this."""
     Q, K, L = s * h * d * e, s * hk * d * e, h * s * 4
     Qa, Ka = Q // e * 4, K // e * 4
+    if algo in ("ring", "ring-te") and round_size(P, s) > 1:      # rounds: a K or V chunk; the dK, dV partials
+        return K // 2 + (2 * Ka if algo == "ring" else 2 * K)
     if algo in ("ring", "ring-te"):          # K or V blocks; the travelling dK, dV (fp32; ring-te: input dtype)
         return K + (Ka if algo == "ring" and e != 4 else 0)
+    if algo == "allgather":                  # every rank's K or V (chunks from GROUPED_MIN_P); the dK, dV partials
+        return (P * K // 2 if P >= GROUPED_MIN_P else 2 * P * K) + 2 * P * K
     if algo == "burst":                      # K, V; Q or dO; D or lse; dQ
         return K + Q + L + Qa
     R, C = grid
