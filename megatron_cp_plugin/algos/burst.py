@@ -10,6 +10,8 @@ locally and dQ_j into the travelling accumulator (lines 8-14); dQ_j ends on its 
 accumulator one step behind Q_j (it is ready only after the compute), which is the same traffic.
 Causal balance: the paper's Table 1 has none; here shards are zigzag, so every step is half a block
 (`_zigzag.py`) on every rank; packed sequences run the varlen calls of `_zigzag.zigzag_blocks`.
+Short shards run in rounds (`ring.round_size`): the forward's as the ring's; in the backward each rank sends its
+(Q, dO, D, lse) straight to the next g ranks and each dQ partial straight to its owner, at most three calls a round.
 
 Bytes sent per rank and call (e = element size, n_q = b * s_local * h * d, acc = 4, or 8 for fp64):
   forward  (P - 1) * 2 * n_kv * e                                   (K, V; as ring)
@@ -19,16 +21,93 @@ gradient accumulators in fp32). With GQA (h_kv < h) ring sends less: its K, V ar
 """
 from __future__ import annotations
 
-from ..comm import CommStats, Ring
+import torch
+
+from ..comm import CommStats, Exchange, Ring, group_size
 from ..kernels.local_attn import acc_dtype, attention_delta, block_bwd, surrogate_out
 from ..kernels.merge import accumulate_, row_sum
 from ._function import CPAttention, in_zigzag_order, saving_inputs
-from ._zigzag import zigzag_blocks
-from .ring import ring_forward
+from ._zigzag import ALL, chunk_run, zigzag_blocks
+from .ring import _rounds, ring_forward, round_size
+
+
+def _row_run(part: torch.Tensor, rows: slice) -> torch.Tensor:
+    """Rows `rows` of stacked per-row statistics [m, b, h, n] (D or lse of m ranks' chunks) as one run [b, h, m n]."""
+    x = part[rows]
+    return x.permute(1, 2, 0, 3).reshape(x.shape[1], x.shape[2], -1)
+
+
+def _round_calls(r: int, dists: list[int], causal: bool) -> list[tuple[int, slice, bool]]:
+    """[(query chunk part, round rows, keys: all (True) or the first chunk)] of one backward round on rank r, whose
+    K, V meet the Q chunks of the ranks dists behind: a rank before r (dists[i] <= r) shows its second query chunk
+    to all of r's keys; one after r both its chunks to r's first chunk (zigzag)."""
+    m = len(dists)
+    if not causal:
+        return [(0, slice(0, m), True)]
+    ne = sum(d <= r for d in dists)
+    calls = [(1, slice(0, ne), True)] if ne else []
+    return calls + ([(0, slice(ne, m), False), (1, slice(ne, m), False)] if ne < m else [])
+
+
+def _backward_rounds(group, do, q, k, v, o, lse, *, causal, scale, backend, stats, g):
+    """Alg. 2 in rounds of g ranks (ring.round_size): each rank sends its own (Q, dO, D, lse), chunk by chunk, straight
+    to the next g ranks; a round's query chunks meet this rank's K, V in at most three calls; each round's dQ partials
+    (fp32, docs/design.md rule 3) go straight to their owners, who sum them with their own."""
+    ex_q, ex_dq = Exchange(group, "backward", stats), Exchange(group, "backward", stats)
+    P, r, s = ex_q.world, ex_q.rank, q.shape[1]
+    acc = acc_dtype(q.dtype)
+    half = s // 2
+    cuts = [slice(0, half), slice(half, None)] if causal else [ALL]
+    delta = attention_delta(do, o)                               # line 2: D_i = rowsum(dO_i o O_i)
+    # lines 3-6: (Q, dO, D, lse) of each chunk, sent as they are (one run of rows per chunk in a round's buffers)
+    mine = [t for c in cuts for t in (q[:, c], do[:, c], delta[:, :, c], lse[:, :, c])]
+    mine = [t.contiguous() for t in mine]
+    rounds = _rounds(P, g)
+
+    def post(dists):
+        bufs = [torch.empty((len(dists),) + tuple(t.shape), dtype=t.dtype, device=t.device) for t in mine]
+        ex_q.post([((r + d) % P, mine) for d in dists],
+                  [((r - d) % P, [b[i] for b in bufs]) for i, d in enumerate(dists)])
+        return bufs
+
+    nxt = post(rounds[0])
+    dq, dk, dv = (t.to(acc) for t in block_bwd(do, q, k, v, o, lse, mask="causal" if causal else "none",
+                                                scale=scale, backend=backend))        # the own block
+    back = None                                                  # our dQ partials from the last round's holders
+    for i, dists in enumerate(rounds):
+        ex_q.wait()
+        bufs = nxt
+        if i + 1 < len(rounds):
+            nxt = post(rounds[i + 1])
+        part = torch.zeros((len(dists),) + tuple(q.shape), dtype=acc, device=q.device)
+        for c, sel, all_keys in _round_calls(r, dists, causal):
+            q_j, do_j, delta_j, lse_j = bufs[4 * c:4 * c + 4]
+            ks = ALL if all_keys else cuts[0]
+            # lines 8-14: P = exp(S - lse_j) against this rank's K, V; dV, dK here, dQ_j into its partial
+            dq_b, dk_b, dv_b = block_bwd(chunk_run(do_j, sel), chunk_run(q_j, sel), k[:, ks], v[:, ks], None,
+                                         _row_run(lse_j, sel), delta=_row_run(delta_j, sel), scale=scale,
+                                         backend=backend)
+            accumulate_(dk[:, ks], dk_b)
+            accumulate_(dv[:, ks], dv_b)
+            dst = part[sel][:, :, cuts[c]]                       # [m, b, n, h, d]
+            dst.add_(dq_b.reshape(dst.shape[1], dst.shape[0], *dst.shape[2:]).transpose(0, 1))
+        if back is not None:
+            ex_dq.wait()
+            dq += back.sum(0)
+        back = torch.empty_like(part)                            # line 16: dQ_j home, straight to its owner
+        ex_dq.post([((r - d) % P, [part[j]]) for j, d in enumerate(dists)],
+                   [((r + d) % P, [back[j]]) for j, d in enumerate(dists)])
+    ex_dq.wait()
+    dq += back.sum(0)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 def _backward(group, do, q, k, v, o, lse, *, causal, scale, backend, stats=None, packing=None):
     """Alg. 2: gradients (dq, dk, dv) in the input dtype; K, V never leave this rank."""
+    g = round_size(group_size(group), q.shape[1], packing)
+    if g > 1:
+        return _backward_rounds(group, do, q, k, v, o, lse, causal=causal, scale=scale, backend=backend,
+                                stats=stats, g=g)
     ring_q, ring_dq = Ring(group, "backward", stats), Ring(group, "backward", stats)
     P, r, s = ring_q.world, ring_q.rank, q.shape[1]
     acc = acc_dtype(q.dtype)

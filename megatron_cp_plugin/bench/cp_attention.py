@@ -121,6 +121,11 @@ def attention_need(algo: str, S: int, P: int, *, h: int, hk: int, d: int, elem: 
         F = ring_f
         B = (4 * g * K + Qa + 2 * Ka + 6 * g * Ka + 2 * (Q + 2 * g * K) + ws + copies if g > 1
              else Qa + 4 * K + 6 * Ka + blk)
+    elif algo == "burst" and g > 1:        # rounds: as memory_terms.burst, and at b > 1 the chunk and run copies
+        F = ring_f
+        call = g * Q + 2 * g * L + 2 * (g * Q + 2 * K) + g * ws
+        B = (3 * L + 4 * g * (Q + L) + Qa + 2 * Ka + 3 * g * Qa + call + G
+             + (2 * Q + 2 * g * Q if b > 1 else 0))
     elif algo == "burst":
         F = ring_f
         B = (4 * Q + 4 * L if P > 2 else 2 * Q + 2 * L) + L + 3 * Qa + 2 * Ka + Q + max(3 * Qa, blk) + G

@@ -137,7 +137,16 @@ def burst(sh: Shape) -> Terms:
     """burst.py: ring's forward (`ring_forward`). backward: D (L, `attention_delta`), (Q, dO, D, lse) in hand and in
     flight (P > 2: 4Q + 4L; P = 2: the one in flight, 2Q + 2L), the fp32 dQ accumulators own, in hand and
     arriving (3Qa), dK, dV (2Ka), the surrogate O (Q, built through up to 3Qa of fp32 temporaries, or blk while a
-    call runs) and the returned G."""
+    call runs) and the returned G. In rounds (ring.round_size > 1, micro-batch 1): below."""
+    g = round_size(sh.cp, sh.tokens)
+    if g > 1:
+        # rounds: D and the copied D, lse chunks (3L); a round's (Q, dO, D, lse) in hand and the next in flight
+        # (4g(Q + L)); fp32 dq, dk, dv (Qa + 2Ka); this round's dQ partials and the last one's sent and arriving
+        # (3g Qa); around a call over g ranks' query chunks: the surrogate O (gQ), the D, lse runs (2gL), the last
+        # call's gradients and its own (2(gQ + 2K)) and the kernel's workspace (g ws); the returned G
+        call = g * sh.Q + 2 * g * sh.L + 2 * (g * sh.Q + 2 * sh.K) + g * sh.ws
+        return Terms(0, ring(sh).forward, 3 * sh.L + 4 * g * (sh.Q + sh.L) + sh.Qa + 2 * sh.Ka + 3 * g * sh.Qa
+                     + call + sh.G)
     travel = 4 * sh.Q + 4 * sh.L if sh.cp > 2 else 2 * sh.Q + 2 * sh.L
     return Terms(0, ring(sh).forward,
                  travel + sh.L + 3 * sh.Qa + 2 * sh.Ka + sh.Q + max(3 * sh.Qa, sh.blk) + sh.G)
