@@ -28,7 +28,7 @@ from ..kernels.local_attn import acc_dtype, attention_delta, block_bwd, surrogat
 from ..kernels.merge import accumulate_, row_sum
 from ._function import CPAttention, in_zigzag_order, saving_inputs
 from ._zigzag import ALL, chunk_run, zigzag_blocks
-from .ring import _rounds, ring_forward, round_size
+from .ring import ring_forward, round_distances, round_size
 
 
 def _row_run(part: torch.Tensor, rows: slice) -> torch.Tensor:
@@ -62,7 +62,7 @@ def _backward_rounds(group, do, q, k, v, o, lse, *, causal, scale, backend, stat
     # lines 3-6: (Q, dO, D, lse) of each chunk, sent as they are (one run of rows per chunk in a round's buffers)
     mine = [t for c in cuts for t in (q[:, c], do[:, c], delta[:, :, c], lse[:, :, c])]
     mine = [t.contiguous() for t in mine]
-    rounds = _rounds(P, g)
+    rounds = round_distances(P, g)
 
     def post(dists):
         bufs = [torch.empty((len(dists),) + tuple(t.shape), dtype=t.dtype, device=t.device) for t in mine]

@@ -82,7 +82,7 @@ def _round_calls(r: int, dists: list[int], s: int, causal: bool) -> list[tuple[s
     return calls
 
 
-def _rounds(P: int, g: int) -> list[list[int]]:
+def round_distances(P: int, g: int) -> list[list[int]]:
     """The distances of each round: [1 .. g], [g + 1 .. 2g], ..., up to P - 1."""
     return [list(range(i, min(i + g, P))) for i in range(1, P, g)]
 
@@ -92,7 +92,7 @@ def _forward_rounds(group, q, k, v, *, causal, scale, backend, stats, g):
     ex = Exchange(group, "forward", stats)
     P, r, s = ex.world, ex.rank, q.shape[1]
     _, mine = _chunks(k, v, causal)
-    rounds = _rounds(P, g)
+    rounds = round_distances(P, g)
     nxt = _post_round(ex, rounds[0], mine)
     o, lse = block_fwd(q, k, v, mask="causal" if causal else "none", scale=scale, backend=backend)   # own block
     o = o.to(acc_dtype(q.dtype))
@@ -115,7 +115,7 @@ def _backward_rounds(group, do, q, k, v, o, lse, *, causal, scale, backend, stat
     P, r, s = ex_kv.world, ex_kv.rank, q.shape[1]
     acc = acc_dtype(q.dtype)
     cuts, mine = _chunks(k, v, causal)
-    rounds = _rounds(P, g)
+    rounds = round_distances(P, g)
     nxt = _post_round(ex_kv, rounds[0], mine)
     dq, dk, dv = (t.to(acc) for t in block_bwd(do, q, k, v, o, lse, mask="causal" if causal else "none",
                                                 scale=scale, backend=backend))
