@@ -55,3 +55,9 @@ def chunk_run(part, rows: slice):
     x = part[rows]
     m, b, n = x.shape[:3]
     return x.transpose(0, 1).reshape(b, m * n, *x.shape[3:])
+
+
+def add_run_(dst, run) -> None:
+    """dst [m, b, n, h, d] (stacked chunks, a view) += run [b, m n, h, d]: chunk_run's inverse, each rank's rows of a
+    call's keys (or queries) back to its chunk."""
+    dst.add_(run.reshape(dst.shape[1], dst.shape[0], *dst.shape[2:]).transpose(0, 1))

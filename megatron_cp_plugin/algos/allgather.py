@@ -39,7 +39,7 @@ from ..comm import CommStats, all_gather, group_rank, group_size, reduce_at_owne
 from ..kernels.local_attn import acc_dtype, block_bwd, block_fwd
 from ..kernels.merge import merge_
 from ._function import CPAttention, in_zigzag_order, saving_inputs
-from ._zigzag import ALL, chunk_run, zigzag_blocks
+from ._zigzag import ALL, add_run_, chunk_run, zigzag_blocks
 
 GROUPED_MIN_P = 4
 """Ranks from which the grouped calls run: at P = 4 a rank makes at most 4 calls either way, below it the grouped
@@ -104,8 +104,7 @@ def _grouped_backward(group, do, q, k, v, o, lse, *, causal, scale, backend, sta
             dq[:, qs].add_(dq_b)
         ks = ALL if part is None else cut[part]
         for i, g in ((0, dk_b), (1, dv_b)):                           # each owner's rows of this call's keys
-            dst = dkv_part[owners, i][:, :, ks]                       # [m, b, n, h_kv, d]
-            dst.add_(g.reshape(dst.shape[1], dst.shape[0], *dst.shape[2:]).transpose(0, 1))
+            add_run_(dkv_part[owners, i][:, :, ks], g)
     dkv = reduce_at_owner(group, dkv_part, r, q.dtype, stats)        # [2, b, s, h_kv, d] in fp32
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 

@@ -27,8 +27,8 @@ from ..comm import CommStats, Exchange, Ring, group_size
 from ..kernels.local_attn import acc_dtype, attention_delta, block_bwd, surrogate_out
 from ..kernels.merge import accumulate_, row_sum
 from ._function import CPAttention, in_zigzag_order, saving_inputs
-from ._zigzag import ALL, chunk_run, zigzag_blocks
-from .ring import ring_forward, round_distances, round_size
+from ._zigzag import ALL, add_run_, chunk_run, zigzag_blocks
+from .ring import post_round, ring_forward, round_distances, round_size
 
 
 def _row_run(part: torch.Tensor, rows: slice) -> torch.Tensor:
@@ -64,13 +64,7 @@ def _backward_rounds(group, do, q, k, v, o, lse, *, causal, scale, backend, stat
     mine = [t.contiguous() for t in mine]
     rounds = round_distances(P, g)
 
-    def post(dists):
-        bufs = [torch.empty((len(dists),) + tuple(t.shape), dtype=t.dtype, device=t.device) for t in mine]
-        ex_q.post([((r + d) % P, mine) for d in dists],
-                  [((r - d) % P, [b[i] for b in bufs]) for i, d in enumerate(dists)])
-        return bufs
-
-    nxt = post(rounds[0])
+    nxt = post_round(ex_q, rounds[0], mine)
     dq, dk, dv = (t.to(acc) for t in block_bwd(do, q, k, v, o, lse, mask="causal" if causal else "none",
                                                 scale=scale, backend=backend))        # the own block
     back = None                                                  # our dQ partials from the last round's holders
@@ -78,7 +72,7 @@ def _backward_rounds(group, do, q, k, v, o, lse, *, causal, scale, backend, stat
         ex_q.wait()
         bufs = nxt
         if i + 1 < len(rounds):
-            nxt = post(rounds[i + 1])
+            nxt = post_round(ex_q, rounds[i + 1], mine)
         part = torch.zeros((len(dists),) + tuple(q.shape), dtype=acc, device=q.device)
         for c, sel, all_keys in _round_calls(r, dists, causal):
             q_j, do_j, delta_j, lse_j = bufs[4 * c:4 * c + 4]
@@ -89,8 +83,7 @@ def _backward_rounds(group, do, q, k, v, o, lse, *, causal, scale, backend, stat
                                          backend=backend)
             accumulate_(dk[:, ks], dk_b)
             accumulate_(dv[:, ks], dv_b)
-            dst = part[sel][:, :, cuts[c]]                       # [m, b, n, h, d]
-            dst.add_(dq_b.reshape(dst.shape[1], dst.shape[0], *dst.shape[2:]).transpose(0, 1))
+            add_run_(part[sel][:, :, cuts[c]], dq_b)
         if back is not None:
             ex_dq.wait()
             dq += back.sum(0)

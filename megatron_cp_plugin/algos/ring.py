@@ -25,7 +25,7 @@ from ..comm import CommStats, Exchange, Ring, group_size
 from ..kernels.local_attn import acc_dtype, block_bwd, block_fwd
 from ..kernels.merge import accumulate_, merge_
 from ._function import CPAttention, in_zigzag_order, saving_inputs
-from ._zigzag import ALL, chunk_run, zigzag_blocks
+from ._zigzag import ALL, add_run_, chunk_run, zigzag_blocks
 
 ROUND_TOKENS = 16384
 """Keys a kernel call should meet at least: with shards shorter than this the ring runs in rounds (`round_size`).
@@ -59,7 +59,7 @@ def _chunks(k, v, causal: bool) -> tuple[list[slice], list]:
     return cuts, [t[:, c].contiguous() for c in cuts for t in (k, v)]
 
 
-def _post_round(ex: Exchange, dists: list[int], mine: list) -> list:
+def post_round(ex: Exchange, dists: list[int], mine: list) -> list:
     """Send `mine` to the ranks dists ahead, receive the same from the ranks dists behind: [len(dists), ...]
     buffers, one per tensor of mine, row i from the rank dists[i] behind."""
     P, r = ex.world, ex.rank
@@ -93,14 +93,14 @@ def _forward_rounds(group, q, k, v, *, causal, scale, backend, stats, g):
     P, r, s = ex.world, ex.rank, q.shape[1]
     _, mine = _chunks(k, v, causal)
     rounds = round_distances(P, g)
-    nxt = _post_round(ex, rounds[0], mine)
+    nxt = post_round(ex, rounds[0], mine)
     o, lse = block_fwd(q, k, v, mask="causal" if causal else "none", scale=scale, backend=backend)   # own block
     o = o.to(acc_dtype(q.dtype))
     for i, dists in enumerate(rounds):
         ex.wait()
         bufs = nxt
         if i + 1 < len(rounds):                                 # the next round's K, V travel during this compute
-            nxt = _post_round(ex, rounds[i + 1], mine)
+            nxt = post_round(ex, rounds[i + 1], mine)
         for qs, c, sel, mask in _round_calls(r, dists, s, causal):
             o_blk, lse_blk = block_fwd(q[:, qs], chunk_run(bufs[2 * c], sel), chunk_run(bufs[2 * c + 1], sel),
                                        mask=mask, scale=scale, backend=backend)
@@ -116,7 +116,7 @@ def _backward_rounds(group, do, q, k, v, o, lse, *, causal, scale, backend, stat
     acc = acc_dtype(q.dtype)
     cuts, mine = _chunks(k, v, causal)
     rounds = round_distances(P, g)
-    nxt = _post_round(ex_kv, rounds[0], mine)
+    nxt = post_round(ex_kv, rounds[0], mine)
     dq, dk, dv = (t.to(acc) for t in block_bwd(do, q, k, v, o, lse, mask="causal" if causal else "none",
                                                 scale=scale, backend=backend))
     back = None                                                 # our partials from the last round's holders
@@ -124,7 +124,7 @@ def _backward_rounds(group, do, q, k, v, o, lse, *, causal, scale, backend, stat
         ex_kv.wait()
         bufs = nxt
         if i + 1 < len(rounds):
-            nxt = _post_round(ex_kv, rounds[i + 1], mine)
+            nxt = post_round(ex_kv, rounds[i + 1], mine)
         part = torch.zeros((len(dists), 2) + tuple(k.shape), dtype=acc, device=k.device)
         for qs, c, sel, mask in _round_calls(r, dists, s, causal):
             dq_b, dk_b, dv_b = block_bwd(do[:, qs], q[:, qs], chunk_run(bufs[2 * c], sel),
@@ -132,8 +132,7 @@ def _backward_rounds(group, do, q, k, v, o, lse, *, causal, scale, backend, stat
                                          scale=scale, backend=backend)
             dq[:, qs].add_(dq_b)
             for j, grad in ((0, dk_b), (1, dv_b)):              # each source's rows of this call's keys
-                dst = part[sel, j][:, :, cuts[c]]               # [m, b, n, h_kv, d]
-                dst.add_(grad.reshape(dst.shape[1], dst.shape[0], *dst.shape[2:]).transpose(0, 1))
+                add_run_(part[sel, j][:, :, cuts[c]], grad)
         if back is not None:
             ex_d.wait()
             dk += back[:, 0].sum(0, dtype=acc)
