@@ -137,6 +137,20 @@ def test_ring_rounds_match_fp64_reference(pools, algo, world, round_tokens, g):
         assert pools(world).run(_ring_rounds, algo, dtype, round_tokens) == [(True, g)] * world
 
 
+def test_round_size_thresholds():
+    """Rounds only for short shards from ROUND_MIN_P ranks on, enough ranks for ROUND_TOKENS keys, at most P - 1; the
+    issue-34 shapes on their measured sizes (128k over 16 / 32 / 64: rounds of 4 / 8 / 16; 1M over 64: none)."""
+    from megatron_cp_plugin.algos import ring
+
+    assert ring.round_size(3, 1024) == 1                                    # below ROUND_MIN_P
+    assert ring.round_size(64, 1024, packing=object()) == 1                 # packed: the neighbour ring
+    assert ring.round_size(64, ring.ROUND_MAX_LOCAL) == 1                   # long shards
+    assert ring.round_size(64, ring.ROUND_MAX_LOCAL - 1) == 3
+    assert [ring.round_size(P, 131072 // P) for P in (16, 32, 64)] == [4, 8, 16]
+    assert ring.round_size(8, 16) == 7                                      # capped at P - 1
+    assert ring.round_distances(64, 16)[-1] == list(range(49, 64))
+
+
 def _grouped_allgather(rank, world):
     """allgather's grouped calls at batch 1 (the keys are views of the gathered chunks): fp64 and fp32 against the
     fp64 reference, causal and not, MHA and GQA; and how many kernel calls a rank made."""

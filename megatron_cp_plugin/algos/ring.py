@@ -5,7 +5,7 @@ Forward: K, V travel the ring; each step's block result merges into the running 
 Backward: K, V travel the ring again, and the dK, dV accumulators of each K, V block travel with it one step
 behind, ending on their owner. The next step's send/recv is posted before the current block's compute so the
 two overlap on GPU. Packed sequences (cu_seqlens): each step is the varlen calls of `_zigzag.zigzag_blocks`.
-Short shards (under ROUND_TOKENS, from ROUND_MIN_P ranks on) run in rounds (`round_size`): a rank meets the K, V of
+Short shards (under ROUND_MAX_LOCAL, from ROUND_MIN_P ranks on) run in rounds (`round_size`): a rank meets the K, V of
 g ranks per round in at most three kernel calls, each rank sending its own K, V straight to the next g and each
 dK, dV partial straight to its owner; the same bytes, g times fewer calls.
 
@@ -27,26 +27,33 @@ from ..kernels.merge import accumulate_, merge_
 from ._function import CPAttention, in_zigzag_order, saving_inputs
 from ._zigzag import ALL, add_run_, chunk_run, zigzag_blocks
 
-ROUND_TOKENS = 16384
-"""Keys a kernel call should meet at least: with shards shorter than this the ring runs in rounds (`round_size`).
-Why: at 128k over P = 64 (2k tokens a rank) one call per step on 1k x 2k blocks left a rank host-bound at 2.1-3.1x
-the ideal (one H100, issue 34: ~100 us of host time a cuDNN backward call, the kernels themselves 2.2x the ideal
-at that size), where Attention2D-NO's two calls of whole triangles took 1.15-1.23x; at 8k tokens a rank
-(P = 16) one call a step ran at 1.1-1.2x."""
+ROUND_TOKENS = 32768
+"""Keys a round's calls should meet: a round takes g = ceil(ROUND_TOKENS / s_local) ranks (`round_size`).
+Why 32k: at 128k causal on one H100 (issue 34, replayed ranks, the slowest of three, fwd+bwd ms, MHA 32/32 and GQA
+32/8; `neighbour` is the ring of one call a step):
+    P = 64 (2k a rank): neighbour 44.4 / 30.3, g = 8 35.5 / 23.1, g = 16 28.8 / 20.6, g = 32 29.3 / 20.6
+    P = 32 (4k):        neighbour 42.6 / 37.2, g = 4 43.4 / 35.0, g = 8 41.3 / 33.1, g = 16 40.4 / 32.9
+    P = 16 (8k):        neighbour 67.8 / 63.9, g = 2 73.4 / 64.2, g = 4 69.4 / 60.3, g = 8 67.7 / 58.7
+Larger rounds gain little past 32k keys and hold more in flight: a round's K, V (two rounds: the next is posted
+before this one's compute) and, in the backward, its fp32 dK, dV partials (cost/memory_terms.py)."""
+ROUND_MAX_LOCAL = 16384
+"""Shards of this many tokens or more run the neighbour ring: at 64k tokens a rank (1M over P = 16) one call a step
+ran at 0.96-0.98x the ideal, at 16k (1M over P = 64) at 1.02-1.07x (same H100 run); at 8k rounds of 2-4 ranks
+were slower than the neighbour ring with MHA (above), rounds of 8 level with it."""
 ROUND_MIN_P = 4
 """Rounds from this many ranks on: below it a round's calls (up to three) would outnumber the steps they replace."""
 
 
 def round_size(P: int, s_local: int, packing=None) -> int:
     """g, the ranks whose K, V one round meets: 1 (the neighbour ring, one block a step) for packed sequences, below
-    ROUND_MIN_P and for shards of ROUND_TOKENS or more; else enough ranks for ROUND_TOKENS keys, at most P - 1.
+    ROUND_MIN_P and for shards of ROUND_MAX_LOCAL or more; else enough ranks for ROUND_TOKENS keys, at most P - 1.
 
     In rounds each rank sends its own K, V straight to the next g ranks and receives the previous g ranks' (one
     batch of messages, the next round's posted before this round's compute, as the ring posts its next hop): the
     bytes of the ring, in g-times fewer and larger kernel calls. The zigzag chunks of a round's ranks go in at
     most three calls, whatever g (`_round_calls`); the backward sends each dK, dV partial straight to its owner,
     which sums them (fp32 on the wire, ring-te: the input dtype, as the travelling accumulators of the ring)."""
-    if packing is not None or P < ROUND_MIN_P or s_local >= ROUND_TOKENS:
+    if packing is not None or P < ROUND_MIN_P or s_local >= ROUND_MAX_LOCAL:
         return 1
     return min(P - 1, -(-ROUND_TOKENS // max(1, s_local)))
 
