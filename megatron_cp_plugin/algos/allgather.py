@@ -39,7 +39,7 @@ from ..comm import CommStats, all_gather, group_rank, group_size, reduce_at_owne
 from ..kernels.local_attn import acc_dtype, block_bwd, block_fwd
 from ..kernels.merge import merge_
 from ._function import CPAttention, in_zigzag_order, saving_inputs
-from ._zigzag import ALL, add_run_, chunk_run, zigzag_blocks
+from ._zigzag import ALL, chunk_run, put_run_, zigzag_blocks
 
 GROUPED_MIN_P = 4
 """Ranks from which the grouped calls run: at P = 4 a rank makes at most 4 calls either way, below it the grouped
@@ -91,8 +91,11 @@ def _grouped_backward(group, do, q, k, v, o, lse, *, causal, scale, backend, sta
     P, r, s = group_size(group), group_rank(group), q.shape[1]
     acc = acc_dtype(q.dtype)
     parts = _gather_chunks(group, k, v, causal, stats, "backward")
-    dkv_part = torch.zeros((P, 2) + tuple(k.shape), dtype=acc, device=k.device)
     cut = [slice(0, s // 2), slice(s // 2, None)] if causal else [ALL]
+    # the calls write disjoint rows of the partials; only the second chunks of the ranks before r are not met
+    dkv_part = torch.empty((P, 2) + tuple(k.shape), dtype=acc, device=k.device)
+    if causal:
+        dkv_part[:r, :, :, cut[1]].zero_()
     dq = None
     for qs, part, owners, mask in _grouped_calls(r, P, s, causal):
         kk, vv = (k, v) if part is None else (chunk_run(parts[part][0], owners), chunk_run(parts[part][1], owners))
@@ -104,7 +107,7 @@ def _grouped_backward(group, do, q, k, v, o, lse, *, causal, scale, backend, sta
             dq[:, qs].add_(dq_b)
         ks = ALL if part is None else cut[part]
         for i, g in ((0, dk_b), (1, dv_b)):                           # each owner's rows of this call's keys
-            add_run_(dkv_part[owners, i][:, :, ks], g)
+            put_run_(dkv_part[owners, i][:, :, ks], g)
     dkv = reduce_at_owner(group, dkv_part, r, q.dtype, stats)        # [2, b, s, h_kv, d] in fp32
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 

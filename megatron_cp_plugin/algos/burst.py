@@ -27,8 +27,8 @@ from ..comm import CommStats, Exchange, Ring, group_size
 from ..kernels.local_attn import acc_dtype, attention_delta, block_bwd, surrogate_out
 from ..kernels.merge import accumulate_, row_sum
 from ._function import CPAttention, in_zigzag_order, saving_inputs
-from ._zigzag import ALL, add_run_, chunk_run, zigzag_blocks
-from .ring import post_round, ring_forward, round_distances, round_size
+from ._zigzag import ALL, chunk_run, put_run_, zigzag_blocks
+from .ring import n_before, post_round, ring_forward, round_distances, round_size
 
 
 def _row_run(part: torch.Tensor, rows: slice) -> torch.Tensor:
@@ -44,7 +44,7 @@ def _round_calls(r: int, dists: list[int], causal: bool) -> list[tuple[int, slic
     m = len(dists)
     if not causal:
         return [(0, slice(0, m), True)]
-    ne = sum(d <= r for d in dists)
+    ne = n_before(r, dists)
     calls = [(1, slice(0, ne), True)] if ne else []
     return calls + ([(0, slice(ne, m), False), (1, slice(ne, m), False)] if ne < m else [])
 
@@ -73,7 +73,10 @@ def _backward_rounds(group, do, q, k, v, o, lse, *, causal, scale, backend, stat
         bufs = nxt
         if i + 1 < len(rounds):
             nxt = post_round(ex_q, rounds[i + 1], mine)
-        part = torch.zeros((len(dists),) + tuple(q.shape), dtype=acc, device=q.device)
+        # the calls write disjoint rows; only the first query chunks of the ranks before r meet none of r's keys
+        part = torch.empty((len(dists),) + tuple(q.shape), dtype=acc, device=q.device)
+        if causal:
+            part[:n_before(r, dists), :, cuts[0]].zero_()
         for c, sel, all_keys in _round_calls(r, dists, causal):
             q_j, do_j, delta_j, lse_j = bufs[4 * c:4 * c + 4]
             ks = ALL if all_keys else cuts[0]
@@ -83,7 +86,7 @@ def _backward_rounds(group, do, q, k, v, o, lse, *, causal, scale, backend, stat
                                          backend=backend)
             accumulate_(dk[:, ks], dk_b)
             accumulate_(dv[:, ks], dv_b)
-            add_run_(part[sel][:, :, cuts[c]], dq_b)
+            put_run_(part[sel][:, :, cuts[c]], dq_b)
         if back is not None:
             ex_dq.wait()
             dq += back.sum(0)

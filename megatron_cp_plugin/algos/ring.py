@@ -25,7 +25,7 @@ from ..comm import CommStats, Exchange, Ring, group_size
 from ..kernels.local_attn import acc_dtype, block_bwd, block_fwd
 from ..kernels.merge import accumulate_, merge_
 from ._function import CPAttention, in_zigzag_order, saving_inputs
-from ._zigzag import ALL, add_run_, chunk_run, zigzag_blocks
+from ._zigzag import ALL, chunk_run, put_run_, zigzag_blocks
 
 ROUND_TOKENS = 32768
 """Keys a round's calls should meet: a round takes g = ceil(ROUND_TOKENS / s_local) ranks (`round_size`).
@@ -82,11 +82,18 @@ def _round_calls(r: int, dists: list[int], s: int, causal: bool) -> list[tuple[s
     m = len(dists)
     if not causal:
         return [(ALL, 0, slice(0, m), "none")]
-    ne, late = sum(d <= r for d in dists), slice(s // 2, None)
+    ne, late = n_before(r, dists), slice(s // 2, None)
     calls = [(ALL, 0, slice(0, ne), "none")] if ne else []
     if ne < m:
         calls += [(late, 0, slice(ne, m), "none"), (late, 1, slice(ne, m), "none")]
     return calls
+
+
+def n_before(r: int, dists: list[int]) -> int:
+    """How many of a round's ranks (dists behind r, increasing) come before rank r in the sequence: the first
+    n_before rows of the round (causal: their second zigzag chunks meet none of r's queries, and r's second chunk
+    none of theirs)."""
+    return sum(d <= r for d in dists)
 
 
 def round_distances(P: int, g: int) -> list[list[int]]:
@@ -132,14 +139,17 @@ def _backward_rounds(group, do, q, k, v, o, lse, *, causal, scale, backend, stat
         bufs = nxt
         if i + 1 < len(rounds):
             nxt = post_round(ex_kv, rounds[i + 1], mine)
-        part = torch.zeros((len(dists), 2) + tuple(k.shape), dtype=acc, device=k.device)
+        # the calls write disjoint rows of the partials; only the second chunks of the ranks before r are not met
+        part = torch.empty((len(dists), 2) + tuple(k.shape), dtype=acc, device=k.device)
+        if causal:
+            part[:n_before(r, dists), :, :, cuts[1]].zero_()
         for qs, c, sel, mask in _round_calls(r, dists, s, causal):
             dq_b, dk_b, dv_b = block_bwd(do[:, qs], q[:, qs], chunk_run(bufs[2 * c], sel),
                                          chunk_run(bufs[2 * c + 1], sel), o[:, qs], lse[:, :, qs], mask=mask,
                                          scale=scale, backend=backend)
             dq[:, qs].add_(dq_b)
             for j, grad in ((0, dk_b), (1, dv_b)):              # each source's rows of this call's keys
-                add_run_(part[sel, j][:, :, cuts[c]], grad)
+                put_run_(part[sel, j][:, :, cuts[c]], grad)
         if back is not None:
             ex_d.wait()
             dk += back[:, 0].sum(0, dtype=acc)
