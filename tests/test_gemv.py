@@ -118,3 +118,20 @@ def test_fused_linears_stand_in_for_a_gpt_models_and_give_its_logits(pools, dtyp
     # the same logits up to the kernel's order of summation (and, in bf16, one rounding of each linear less)
     scale = want.abs().max()
     assert (got - want).abs().max() <= (1e-5 if dtype == "float32" else 0.05) * scale
+
+
+def test_config_is_chosen_per_device(monkeypatch):
+    """config() takes the H200's sweep on an H200 and the H100's everywhere else (CPU, no device given, other GPUs):
+    the 8B decode shape's four linears at 1 and 8 rows, as swept (kernels/gemv.py config)."""
+    from megatron_cp_plugin.kernels import gemv as G
+
+    shapes = [(6144, 4096), (4096, 4096), (14336, 4096), (4096, 14336)]
+    h100 = [[G.config(m, n, k) for n, k in shapes] for m in (1, 8)]
+    assert h100 == [[(4, 1024, 4, 4), (4, 1024, 4, 4), (4, 1024, 8, 4), (4, 1024, 4, 4)],
+                    [(32, 256, 4, 3), (32, 512, 4, 3), (32, 128, 4, 3), (32, 512, 4, 3)]]
+    assert [[G.config(m, n, k, torch.device("cpu")) for n, k in shapes] for m in (1, 8)] == h100
+    for name, want in (("NVIDIA H100 80GB HBM3", h100),
+                       ("NVIDIA H200", [[(8, 1024, 8, 4), (8, 1024, 4, 4), (8, 1024, 4, 4), (4, 1024, 4, 4)],
+                                        [(64, 256, 4, 4), (32, 256, 4, 4), (64, 128, 4, 3), (32, 256, 4, 4)]])):
+        monkeypatch.setattr(G, "_device_name", lambda index, name=name: name)
+        assert [[G.config(m, n, k, torch.device("cuda", 0)) for n, k in shapes] for m in (1, 8)] == want, name

@@ -95,7 +95,7 @@ def main(argv=None):
 
         with torch.no_grad():
             row("torch: matmul, + bias" + (", gelu" if gelu else ""), lambda w, b: _torch_linear(x, w, b, gelu))
-            row("gemv (Triton), config()", lambda w, b: G.gemv(x, w, b, gelu=gelu), config=str(G.config(m, n, k)))
+            row("gemv (Triton), config()", lambda w, b: G.gemv(x, w, b, gelu=gelu), config=str(G.config(m, n, k, dev)))
             if a.sweep:
                 grid = SWEEP_ROW1 if m == 1 else SWEEP_DOT
                 for (bn, bk), warps, stages in itertools.product(grid, (4, 8), (2, 3, 4)):

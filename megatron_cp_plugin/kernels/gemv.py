@@ -20,6 +20,8 @@ uses this kernel graphed uses it eagerly too, so graphed and eager tokens stay e
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import _launch
@@ -51,15 +53,34 @@ def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return y.to(x.dtype)
 
 
-def config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for m rows of an [n, k] weight, from one sweep of 36 configurations
-    per path on one H100 (`megatron-cp-bench gemv --sweep`, 2026-11-26; us per call against torch's matmul + bias
-    (+ GELU), each graphed, weights not in L2):
+@functools.lru_cache(maxsize=None)
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def config(m: int, n: int, k: int, device: torch.device | None = None) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for m rows of an [n, k] weight on `device`, from one sweep of 36
+    configurations per path per GPU model (`megatron-cp-bench gemv --sweep`; us per call against torch's matmul +
+    bias (+ GELU), each graphed, weights not in L2). An H200 (more bandwidth, the same 132 SMs) wants more weight
+    rows a program; other devices take the H100's choice.
+    One H100 (2026-11-26):
       one row, 4 rows x 1024 a step (1024-4096 programs, the whole of K per program; the fastest or within 1 % for
       every shape), 8 warps for the wide fc1 (42.8 against 44.8 us with 4; torch 47.1), 4 for the rest (QKV 21.7
       against 22.9, the projection 14.6 against 18.9, fc2 43.6 against 47.0);
       2-16 rows, tl.dot tiles of 32 rows, 3 stages, BLOCK_K falling as n grows (QKV 20.9 against 24.7, the
-      projection 14.8 against 20.4, fc1 43.2 against 50.5, fc2 42.6 against 48.7 us at 8 rows)."""
+      projection 14.8 against 20.4, fc1 43.2 against 50.5, fc2 42.6 against 48.7 us at 8 rows).
+    One H200 (2026-11-26, docs/results/gemv_h200.md; the H100 choice -> this one, torch):
+      one row, 8 rows x 1024 a step where k <= 4096 (QKV 18.09 -> 14.76 us with 8 warps, torch 16.8; the projection
+      10.44 -> 10.29; fc1 32.56 -> 30.80), fc2 (k = 14336) as on the H100 (32.72);
+      8 rows, tiles of 64 weight rows where n > 4096 and 4 stages below n = 8192 (QKV 18.15 -> 17.02, the projection
+      15.15 -> 13.11, fc1 32.14 -> 31.47, fc2 36.23 -> 33.00; torch 18.7, 17.1, 35.9, 37.0); only 1 and 8 rows
+      were swept: 2-16 rows share the 8-row choice."""
+    h200 = (device is not None and device.type == "cuda"
+            and "H200" in _device_name(device.index if device.index is not None else torch.cuda.current_device()))
+    if h200:
+        if m == 1:
+            return (8, 1024, 8 if 4096 < n <= 8192 else 4, 4) if k <= 4096 else (4, 1024, 4, 4)
+        return 64 if n > 4096 else 32, 128 if n > 8192 else 256, 4, 3 if n > 8192 else 4
     if m == 1:
         return 4, 1024, 8 if n > 8192 else 4, 4
     return 32, 512 if n <= 4096 else 256 if n <= 8192 else 128, 4, 3
@@ -171,7 +192,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         r2 = r2.contiguous()
     y = torch.empty(M, N, device=x.device, dtype=x.dtype)
     if M:
-        bn, bk, warps, stages = block or config(M, N, K)
+        bn, bk, warps, stages = block or config(M, N, K, x.device)
         rows = 1 if M == 1 else MAX_ROWS
         if pdl is None:
             # One row only: with PDL the graphed step at batch 8 was slower on one H200 (32k: 12.40 against 11.84 ms
