@@ -254,11 +254,31 @@ def run_collective(op, *args, group=None, **kw):
     whose unwind through a noexcept destructor calls std::terminate: SIGABRT at exit, "terminate called without
     an active exception" (issue 29; tests/exit_check.py). Held here, the work is freed by the thread that
     replaces or clears the entry, which holds the GIL."""
+    start_collective(op, *args, group=group, **kw).wait()
+
+
+class Posted:
+    """A collective posted and not yet waited for (`start_collective`): `wait()` once before reading what it writes.
+    Holds the work and its tensors until then; after it, as run_collective does (its CPU exit safety)."""
+
+    def __init__(self, work, group, cpu: bool, tensors=()):
+        self.work, self.group, self.cpu, self.tensors = work, group, cpu, tensors
+
+    def wait(self) -> None:
+        if self.work is None:
+            return
+        self.work.wait()
+        if self.cpu:
+            _HELD_WORK[self.group] = self.work
+        self.work = self.tensors = None
+
+
+def start_collective(op, *args, group=None, **kw) -> Posted:
+    """`op(*args, group=group, async_op=True, **kw)`, not waited for: the caller computes while it runs (on NCCL its
+    own stream; `wait()` makes the current stream wait for it)."""
     work = op(*args, group=group, async_op=True, **kw)
-    work.wait()
     first = args[0][0] if isinstance(args[0], (list, tuple)) else args[0]
-    if first.device.type == "cpu":
-        _HELD_WORK[group] = work
+    return Posted(work, group, first.device.type == "cpu", args)
 
 
 def _count(stats, phase, nbytes):
@@ -268,13 +288,22 @@ def _count(stats, phase, nbytes):
 
 def all_gather(group, x: torch.Tensor, stats=None, phase="forward") -> torch.Tensor:
     """[g, *x.shape]: every member's x, in group-rank order (x itself when group is None)."""
+    out, posted = all_gather_start(group, x, stats, phase)
+    posted.wait()
+    return out
+
+
+def all_gather_start(group, x: torch.Tensor, stats=None, phase="forward") -> tuple[torch.Tensor, Posted]:
+    """all_gather posted: (out, posted); read out (its own row included, which the collective writes) only after
+    posted.wait(). The caller computes with its own x while the others arrive."""
     if group is None:
-        return x.unsqueeze(0)
+        return x.unsqueeze(0), Posted(None, None, False)
     g = dist.get_world_size(group)
     out = torch.empty((g,) + tuple(x.shape), dtype=x.dtype, device=x.device)
-    run_collective(_ALL_GATHER, out.view(-1), x.contiguous().view(-1), group=group)   # 1-D: gloo wants that
+    flat = x.contiguous().view(-1)
+    posted = start_collective(_ALL_GATHER, out.view(-1), flat, group=group)        # 1-D: gloo wants that
     _count(stats, phase, (g - 1) * x.numel() * x.element_size())
-    return out
+    return out, posted
 
 
 def all_to_all(group, parts, stats=None, phase="forward", recv=None) -> list:

@@ -162,3 +162,37 @@ def test_refit_recomputes_the_factors_against_todays_model(tmp_path):
     assert set(f) == {"ring", "attention2d-no 4x4", "attention2d-no"}
     with pytest.raises(SystemExit, match="--fit-out"):
         bench_main(["rank", "--refit", str(src)])
+
+
+@pytest.mark.parametrize("P", [2, 3, 6])
+def test_allgather_computes_its_own_block_while_the_gather_runs(monkeypatch, P):
+    """allgather posts its K, V gathers and computes its own block (its own K, V) before it waits for them, forward
+    and backward, grouped (P = 6) and not (P = 2, 3): the order of kernel calls and waits, on a replayed rank."""
+    from megatron_cp_plugin.algos import allgather
+    from megatron_cp_plugin.bench import _replay_comm
+    from megatron_cp_plugin.bench.rank_replay import RankReplay, _shards
+
+    events = []
+
+    class Work:
+        def wait(self):
+            events.append("wait")
+            return True
+
+    real_gather = _replay_comm.ReplayDist.all_gather
+    monkeypatch.setattr(_replay_comm.ReplayDist, "all_gather",
+                        lambda self, out, inp, group=None, async_op=False: (events.append("gather"),
+                                                                            real_gather(self, out, inp, group),
+                                                                            Work() if async_op else None)[2])
+    for name in ("block_fwd", "block_bwd"):
+        real = getattr(allgather, name)
+        monkeypatch.setattr(allgather, name, lambda *a, _real=real, _n=name, **k: (events.append(_n), _real(*a, **k))[1])
+    rep = RankReplay("allgather", P, P // 2, *_shards(24 * P, P, 2, 2, 8, torch.device("cpu"), torch.float32))
+    rep()                                        # prepares the receives
+    events.clear()
+    rep()
+    starts = [i for i, e in enumerate(events) if e == "gather" and (i == 0 or events[i - 1] != "gather")]
+    assert len(starts) == 2, events                                     # one batch of gathers a pass
+    for a, b in zip(starts, starts[1:] + [len(events)]):
+        phase = [e for e in events[a:b] if e != "gather"]
+        assert phase[0] == ("block_fwd" if a == 0 else "block_bwd") and "wait" in phase[1:], events

@@ -93,16 +93,18 @@ def _infeasible(algo, pb, grid=None):
 
 
 def allgather_cost(algo: str, pb: Problem, hw, rank: int | None = None) -> Prediction:
-    """One all-gather, the P zigzag blocks merged, then the same backward with one all-to-all of partials."""
+    """One all-gather, overlapped with the own block (1/P of the rank's work, causal zigzag or not), the other
+    P - 1 blocks merged; then the same backward with one all-to-all of partials."""
     P = pb.world
     _, n_q, n_kv, _, e, _ = _sizes(pb)
     F, B = attention_flops(pb)
     fwd_bytes, bwd_bytes = allgather_bytes(pb)
     link = phase_link([list(range(P))], hw, p2p=False)
     merge = n_q * MERGE_BYTES / hw.mem_bw
-    fwd = link.t(fwd_bytes) + F / hw.fwd_tflops + (P - 1) * merge
+    cf, cb = F / hw.fwd_tflops, B / hw.bwd_tflops
+    fwd = max(link.t(fwd_bytes), cf / P) + cf * (P - 1) / P + (P - 1) * merge
     adds = (n_q + 2 * n_kv) * ADD_BYTES / hw.mem_bw
-    bwd = link.t(fwd_bytes) + B / hw.bwd_tflops + P * adds + link.t(bwd_bytes - fwd_bytes)
+    bwd = max(link.t(fwd_bytes), cb / P) + cb * (P - 1) / P + P * adds + link.t(bwd_bytes - fwd_bytes)
     return Prediction(algo, fwd, bwd, fwd_bytes, bwd_bytes, F, B)
 
 
