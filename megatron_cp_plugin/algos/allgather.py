@@ -8,9 +8,9 @@ per block: the own block is a triangle, every other half a block, so the work is
 softmax into fp32 (o, lse) as ring's forward merges its steps.
 Backward: K, V are gathered again, overlapped the same way (the forward keeps only the local shard: memory
 stays O(s_local)); each rank recomputes its blocks from the global (o, lse), accumulates dQ locally and a dK, dV
-partial for every owner in fp32; the partials are summed at their owners (`comm.reduce_at_owner`: each partial rounded once to
-the input dtype, one hop, summed in fp32 by the owner, whose own partial is never rounded; docs/design.md,
-wire precision, rule 2), what a reduce-scatter computes. Packed sequences run the varlen calls of
+partial for every owner in fp32; the partials are summed at their owners (`comm.reduce_at_owner`: each partial
+rounded once to the input dtype, one hop, summed in fp32 by the owner, whose own partial is never rounded;
+docs/design.md, wire precision, rule 2), what a reduce-scatter computes. Packed sequences run the varlen calls of
 `_zigzag.zigzag_blocks` with the local rows in `Packing.zigzag_order`, as ring does.
 
 Design notes from TransformerEngine's `AttnFuncWithCPAndKVAllGather` (Llama 3's CP, looked up, not copied): it

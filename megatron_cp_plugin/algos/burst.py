@@ -28,7 +28,7 @@ from ..kernels.local_attn import acc_dtype, attention_delta, block_bwd, surrogat
 from ..kernels.merge import accumulate_, row_sum
 from ._function import CPAttention, in_zigzag_order, saving_inputs
 from ._zigzag import ALL, chunk_run, put_run_, zigzag_blocks
-from .ring import n_before, post_round, ring_forward, round_distances, round_size
+from .ring import n_before, post_home, post_round, ring_forward, round_distances, round_size
 
 
 def _row_run(part: torch.Tensor, rows: slice) -> torch.Tensor:
@@ -90,9 +90,7 @@ def _backward_rounds(group, do, q, k, v, o, lse, *, causal, scale, backend, stat
         if back is not None:
             ex_dq.wait()
             dq += back.sum(0)
-        back = torch.empty_like(part)                            # line 16: dQ_j home, straight to its owner
-        ex_dq.post([((r - d) % P, [part[j]]) for j, d in enumerate(dists)],
-                   [((r + d) % P, [back[j]]) for j, d in enumerate(dists)])
+        back = post_home(ex_dq, dists, part)                    # line 16: dQ_j home, straight to its owner
     ex_dq.wait()
     dq += back.sum(0)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

@@ -75,6 +75,16 @@ def post_round(ex: Exchange, dists: list[int], mine: list) -> list:
     return bufs
 
 
+def post_home(ex: Exchange, dists: list[int], part: torch.Tensor) -> torch.Tensor:
+    """Send each round partial part[i] (computed here for the rank dists[i] behind) straight to its owner and receive
+    this rank's from the ranks dists ahead: the receive buffer [len(dists), ...], read after ex.wait()."""
+    P, r = ex.world, ex.rank
+    back = torch.empty_like(part)
+    ex.post([((r - d) % P, [part[i]]) for i, d in enumerate(dists)],
+            [((r + d) % P, [back[i]]) for i, d in enumerate(dists)])
+    return back
+
+
 def _round_calls(r: int, dists: list[int], s: int, causal: bool) -> list[tuple[slice, int, slice, str]]:
     """[(query rows, chunk part, round rows, mask)] of one round on rank r. A rank dists[i] behind is before r when
     dists[i] <= r (no wrap): every query row sees its first chunk; one after r shows both chunks to the second query
@@ -154,10 +164,7 @@ def _backward_rounds(group, do, q, k, v, o, lse, *, causal, scale, backend, stat
             ex_d.wait()
             dk += back[:, 0].sum(0, dtype=acc)
             dv += back[:, 1].sum(0, dtype=acc)
-        send = part if wire is None else part.to(wire)
-        back = torch.empty_like(send)
-        ex_d.post([((r - d) % P, [send[j]]) for j, d in enumerate(dists)],
-                  [((r + d) % P, [back[j]]) for j, d in enumerate(dists)])
+        back = post_home(ex_d, dists, part if wire is None else part.to(wire))
     ex_d.wait()
     dk += back[:, 0].sum(0, dtype=acc)
     dv += back[:, 1].sum(0, dtype=acc)
