@@ -15,6 +15,9 @@ and gradient, on each rank's shard (Frobenius-norm relative error):
      (ours, the kernel's) differ by ~1%. A D that is wrong (a clamped or zero surrogate O) fails by far.
 Tree decoding (--decode, every merge variant): one decode query row per sequence over the KV cache sharded
 contiguously over the ranks, against fp64: at most twice the error of single-GPU decoding in the same dtype.
+The "peer" variant (symmetric memory, one GPU a rank: not in the shared-GPU mode) also runs as a CUDA graph of
+three calls over three caches, replayed 200 times with new queries, each replay against the eager all-gather
+variant: a rank that overwrote its partial while a peer still read it would give another call's rows.
 Rank 0 prints one line per (case, algo, grid) with the worst rank's errors. Exits non-zero on any failure.
 tests/test_gpu.py runs it for every GPU count present, and with more ranks than GPUs in the shared-GPU mode
 (MCP_SHARE_GPU=1: gloo with CUDA tensors on one device); scripts/gpu_numerics_check.sh logs it.
@@ -32,6 +35,8 @@ import megatron_cp_plugin as mcp
 from megatron_cp_plugin.bench._common import init_distributed
 from megatron_cp_plugin.algos import BASELINES
 from megatron_cp_plugin.algos.tree_decode import VARIANTS
+from megatron_cp_plugin.kernels.flash_decode import Workspace
+from megatron_cp_plugin.symmetric import unsupported_reason
 from megatron_cp_plugin.kernels.local_attn import block_bwd, block_fwd, decode_fwd
 
 CASES = {"bf16": (torch.bfloat16, False), "fp16": (torch.float16, False), "bf16-large": (torch.bfloat16, True),
@@ -84,6 +89,10 @@ def decode_check(a, world, dev) -> int:
     fp64 within twice single-GPU decoding's error in the same dtype. Returns this rank's failures."""
     failures, rank = 0, dist.get_rank()
     per = a.seq // world
+    peer_why = unsupported_reason(dist.group.WORLD, dev, collective=True)
+    variants = [v for v in VARIANTS if v != "peer" or peer_why is None]
+    if rank == 0 and peer_why is not None:
+        print(f"tree_decode peer P={world}: not run ({peer_why})", flush=True)
     for case, (h, hk) in itertools.product(("bf16", "fp16"), ((8, 8), (8, 2))):
         dtype = CASES[case][0]
         g = torch.Generator(device=dev).manual_seed(h + hk)
@@ -92,9 +101,10 @@ def decode_check(a, world, dev) -> int:
         ref = block_fwd(q.double(), k.double(), v.double(), backend="math")[0]
         single = decode_fwd(q, k, v)[0].to(dtype)
         e1 = _rel_l2(single, ref)
-        for variant in VARIANTS:
+        for variant in variants:
             o = mcp.tree_decode(q, k[:, rank * per:(rank + 1) * per], v[:, rank * per:(rank + 1) * per],
-                                group=dist.group.WORLD, variant=variant)
+                                group=dist.group.WORLD, variant=variant,
+                                workspace=Workspace() if variant == "peer" else None)
             e = _rel_l2(o, ref)
             every = [None] * world
             dist.all_gather_object(every, e)
@@ -103,7 +113,49 @@ def decode_check(a, world, dev) -> int:
             if rank == 0:
                 print(f"tree_decode {variant} P={world} S={a.seq} {case} h={h}/{hk}: o {max(every):.2e} "
                       f"(1GPU {e1:.2e})  {'ok' if ok else 'FAIL'}", flush=True)
+    if peer_why is None:
+        failures += peer_graph_check(a, world, dev)
     return failures
+
+
+def peer_graph_check(a, world, dev, calls=3, replays=200) -> int:
+    """The "peer" variant captured as one CUDA graph of `calls` tree_decode calls (each over its own bf16 cache,
+    an odd number so that the same buffer is reused by consecutive replays' calls), replayed with a new query
+    each time; every replay's outputs against the eager all-gather variant on the same query (relative L2 <=
+    1e-2: a partial read while its owner overwrote it is another call's rows, wrong by O(1))."""
+    rank, per = dist.get_rank(), max(64, a.seq // world // 8)
+    g = torch.Generator(device=dev).manual_seed(11 + rank)
+    caches = [tuple(torch.randn(2, per, 2, a.head_dim, device=dev, generator=g).to(torch.bfloat16)
+                    for _ in range(2)) for _ in range(calls)]
+    q = torch.empty(2, 1, 8, a.head_dim, device=dev, dtype=torch.bfloat16)
+    ws = Workspace()
+    lengths = torch.full((2,), per, device=dev, dtype=torch.int32)
+    step = lambda: [mcp.tree_decode(q, k, v, variant="peer", workspace=ws, kv_lengths=lengths,  # noqa: E731
+                                    validate=False) for k, v in caches]
+    qg = torch.Generator(device=dev).manual_seed(5)                # the same queries on every rank
+    q.copy_(torch.randn(q.shape, device=dev, generator=qg))
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    worst = 0.0
+    for _ in range(replays):
+        q.copy_(torch.randn(q.shape, device=dev, generator=qg))
+        graph.replay()
+        ref = [mcp.tree_decode(q, k, v, variant="allgather", validate=False) for k, v in caches]
+        worst = max(worst, *(_rel_l2(o, r) for o, r in zip(outs, ref)))
+    every = [None] * world
+    dist.all_gather_object(every, worst)
+    ok = max(every) <= 1e-2
+    if rank == 0:
+        print(f"tree_decode peer P={world}: CUDA graph of {calls} calls x {replays} replays against allgather: "
+              f"worst {max(every):.2e}  {'ok' if ok else 'FAIL'}", flush=True)
+    del graph
+    return int(not ok)
 
 
 def main():

@@ -1,12 +1,14 @@
 """The decode cost model's graphed mode and the tree merge variant it picks for the static decode step."""
 from __future__ import annotations
 
+import dataclasses
+
 from pathlib import Path
 
 import pytest
 
 import megatron_cp_plugin.cost as cm
-from megatron_cp_plugin.algos.tree_decode import VARIANTS
+from megatron_cp_plugin.algos.tree_decode import COLLECTIVE_VARIANTS as VARIANTS
 from megatron_cp_plugin.bench.cost_report import load_measured
 from megatron_cp_plugin.cost import HARDWARE, DecodeProblem
 
@@ -56,6 +58,22 @@ def test_choose_tree_variant_is_the_fastest_tree_method_for_each_mode():
     for graphed in (False, True):
         assert cm.choose_tree_variant(DecodeProblem(131072, 2, 32, 8), HARDWARE["h200-nvlink"], graphed=graphed)[0] \
             == "allgather"
+
+
+def test_the_peer_variant_is_a_candidate_only_where_asked_and_within_a_node():
+    hw = HARDWARE["h200-nvlink"]
+    pb = DecodeProblem(131072, 2, 32, 8)
+    best, times = cm.choose_tree_variant(pb, hw, graphed=True, peer=True)
+    assert set(times) == set(VARIANTS) | {"peer"} and best == "peer"         # no collective: two flag rounds
+    assert times["peer"] == cm.predict_decode(cm.PEER_METHOD, pb, hw, graphed=True)
+    assert times["allgather"] - times["peer"] > cm.PEER_SIGNAL_S
+    assert "peer" not in cm.choose_tree_variant(dataclasses.replace(pb, world=16), hw, graphed=True, peer=True)[1]
+    assert cm.decode_bytes(cm.PEER_METHOD, pb) == cm.decode_bytes("tree-allgather", pb)
+    m = cm.DecodeModel(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=257)
+    ag, peer = (cm.decode_step_time(m, 131072, 2, hw, method=x) for x in ("tree-allgather", cm.PEER_METHOD))
+    assert peer["exchange"] < ag["exchange"] and peer["gaps"] < ag["gaps"] and peer["floor"] == ag["floor"]
+    with pytest.raises(ValueError, match="method"):
+        cm.decode_step_time(m, 131072, 2, hw, method="ring-decode")
 
 
 def test_decode_step_model_against_the_measured_steps():

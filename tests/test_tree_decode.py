@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import megatron_cp_plugin as mcp
-from megatron_cp_plugin.algos.tree_decode import VARIANTS
+from megatron_cp_plugin.algos.tree_decode import COLLECTIVE_VARIANTS
 
 NO_INTERPRETER = ("SKIPPED LOUDLY: the flash-decoding kernel cannot run interpreted on CPU here (Triton missing, or a GPU "
                   "machine, where TRITON_INTERPRET is unset and tests/test_flash_decode.py runs it compiled)")
@@ -65,7 +65,7 @@ def _cases(rank, world, variant, backend=None):
     return True
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", COLLECTIVE_VARIANTS)   # "peer": NVLink only, tests/nccl_check.py on GPUs
 @pytest.mark.parametrize("world", (1, 2, 3, 4))
 def test_tree_decode_matches_fp64_reference(pools, world, variant):
     assert all(pools(world).run(_cases, variant))
@@ -92,12 +92,15 @@ def _bad(rank, world, case):
         k = v = torch.randn(1, 0, 2, 8)
     elif case == "variant":
         kw["variant"] = "nope"
+    elif case == "peer":                  # symmetric memory: not on gloo, not without a workspace
+        kw["variant"] = "peer"
     mcp.tree_decode(q, k, v, **kw)
     return "no error"
 
 
 @pytest.mark.parametrize("case,needle", [("q_not_replicated", "replicated"), ("heads", "heads"),
-                                         ("empty_everywhere", "empty"), ("variant", "variant")])
+                                         ("empty_everywhere", "empty"), ("variant", "variant"),
+                                         ("peer", "'peer' needs")])
 def test_tree_decode_bad_input_raises_everywhere(pools, case, needle):
     out = pools(3).run_outcomes(_bad, case, timeout=60)
     for rank, (ok, val) in out.items():
@@ -146,7 +149,7 @@ def _lengths_cases(rank, world, variant, backend):
     return True
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", COLLECTIVE_VARIANTS)
 @pytest.mark.parametrize("world, backend", [(1, None), (3, None), (2, "triton"), (3, "triton")])
 def test_tree_decode_with_kv_lengths_of_a_fixed_capacity_cache(pools, world, variant, backend):
     from megatron_cp_plugin.kernels.flash_decode import available

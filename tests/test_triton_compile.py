@@ -19,7 +19,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import torch
-from megatron_cp_plugin.kernels import flash_decode, merge, rope_append, surrogate
+from megatron_cp_plugin.kernels import flash_decode, merge, peer_merge, rope_append, surrogate
 
 def compile_(kernel, types, constexprs):
     sig = {n: ("constexpr" if n in constexprs else types.get(n, "i32")) for n in kernel.arg_names}
@@ -52,6 +52,11 @@ for dt, tdt in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torc
     for copy in (False, True):
         case(f"accumulate {dt} copy={copy}", merge._accumulate_kernel, {"A": "*fp32", "X": f"*{dt}"},
              {"BLOCK_R": 32, "BLOCK_D": 128, "COPY": copy})
+for dt in ("bf16", "fp32"):
+    for pdl in (False, True):
+        case(f"peer_merge {dt} pdl={pdl}", peer_merge._peer_merge_kernel,
+             {"DATA_PTRS": "*i64", "FLAG_PTRS": "*i64", "OUT": f"*{dt}", "LSE": "*fp32"},
+             dict(PP=8, W=8, NPROG=64, BLOCK_R=4, D=128, COMPILED=True, LIMIT=1 << 30, PDL=pdl))
 print("\n".join(failed) if failed else "all compiled")
 '''
 

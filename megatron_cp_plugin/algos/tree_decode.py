@@ -11,7 +11,10 @@ Every rank holds the same queries q [b, n_q, h, d] and its own slice of the cach
 Variants (`variant=`), the same result:
   "allreduce3"  the paper's three all-reduces;
   "allreduce2"  max, then n and d packed into one sum all-reduce;
-  "allgather"   one all-gather of the packed (o, lse) of every rank, merged locally (`merge_`).
+  "allgather"   one all-gather of the packed (o, lse) of every rank, merged locally (`merge_`);
+  "peer"        no collective: each rank's split-KV step writes its packed (o, lse) into symmetric memory and one
+                kernel reads every peer's over NVLink and merges (kernels/peer_merge.py). One node, one GPU a
+                rank, NCCL, CUDA tensors the split-KV kernel takes, and a `workspace` (which keeps the mapping).
 Masks: `kv_positions` [b, s_local] gives each local key's global position (-1: an empty slot, which is how a
 batch of different lengths is padded) and `q_positions` [b, n_q] each query's; a key is visible to a query iff
 0 <= kv_pos <= q_pos, which also orders several query tokens causally among themselves (speculative
@@ -30,12 +33,16 @@ from ..comm import all_gather, resolve_group
 from ..kernels import flash_decode as fd
 from ..kernels.local_attn import decode_fwd
 from ..kernels.merge import finite_lse, merge_
+from ..kernels.peer_merge import peer_merge
+from ..symmetric import peer_buffers
 
-VARIANTS = ("allreduce3", "allreduce2", "allgather")
+VARIANTS = ("allreduce3", "allreduce2", "allgather", "peer")
+COLLECTIVE_VARIANTS = VARIANTS[:3]
+"""The variants that run on any group (gloo, ranks sharing a GPU, CPU tensors) and merge any (o, lse)."""
 DEFAULT_VARIANT = "allgather"    # fastest eager at 32k-512k on 2 x H200 (docs/results/decode.md): one collective + one fused merge kernel
 
 
-def _check(q, k, v, group, variant, kv_positions, q_positions, validate, kv_lengths=None):
+def _check(q, k, v, group, variant, kv_positions, q_positions, validate, kv_lengths=None, workspace=None):
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -56,6 +63,12 @@ def _check(q, k, v, group, variant, kv_positions, q_positions, validate, kv_leng
         raise ValueError(f"kv_lengths must be an integer tensor [b] = [{q.shape[0]}], got "
                          f"{tuple(kv_lengths.shape)} {kv_lengths.dtype}")
     group = resolve_group(group)
+    if variant == "peer" and dist.get_world_size(group) > 1 and (
+            workspace is None or not _split_kv(q, None, kv_lengths, workspace)):
+        raise ValueError("variant 'peer' needs workspace= (a kernels.flash_decode.Workspace, which keeps the "
+                         f"symmetric buffers) and CUDA tensors of head_dim in {fd.HEAD_DIMS}, not fp64; got "
+                         f"workspace={'given' if workspace is not None else None}, q {q.dtype} on {q.device}, "
+                         f"head_dim {q.shape[-1]}")
     if validate and dist.get_world_size(group) > 1:
         # One tiny all-gather, so that ranks disagreeing on shapes raise together instead of hanging.
         dev = q.device if q.device.type == "cuda" else torch.device("cpu")
@@ -80,7 +93,7 @@ def tree_decode(q, k, v, *, group=None, softmax_scale: float | None = None, vari
     check (a device-to-host read), for a generation loop that has already validated its shapes and cache
     (and for a CUDA graph capture, which allows no host read).
     """
-    group = _check(q, k, v, group, variant, kv_positions, q_positions, validate, kv_lengths)
+    group = _check(q, k, v, group, variant, kv_positions, q_positions, validate, kv_lengths, workspace)
     with torch.no_grad():
         if _split_kv(q, backend, kv_lengths, workspace):
             o, lse = _tree_decode_split_kv(q, k, v, group, softmax_scale, variant, kv_positions, q_positions,
@@ -125,15 +138,27 @@ def _tree_decode_split_kv(q, k, v, group, scale, variant, kv_positions, q_positi
         # Nothing to merge: the split-KV combine writes q's dtype, so tree_decode's cast is a no-op (one kernel of
         # ~1.1 us and its ~0.45 us gap fewer per layer of a graphed step, H100 2026-11-26).
         return fd.flash_decode(q, k, v, out_dtype=q.dtype, **kw)
-    if variant != "allgather":
+    if variant not in ("allgather", "peer"):
         o, lse = fd.flash_decode(q, k, v, **kw)
         return tree_merge(o, lse, group=group, variant=variant)
     rows = b * n_q * h
     take = ws.take if ws is not None else (lambda _n, n, dt, dev: torch.empty(n, dtype=dt, device=dev))
-    packed = take("tree_decode.packed", rows * (d + 1), torch.float32, q.device)
+    if variant == "peer":
+        # The packed partial goes into this rank's symmetric buffer, where the peers read it (a collective
+        # mapping on the first call, outside any graph capture; again only if the rows grow).
+        bufs = ws.keep("tree_decode.peer", q.device, lambda: peer_buffers(group, rows * (d + 1), q.device),
+                       fits=lambda bf: bf.data.numel() >= rows * (d + 1))
+        packed = bufs.data[:rows * (d + 1)]
+    else:
+        packed = take("tree_decode.packed", rows * (d + 1), torch.float32, q.device)
     fd.flash_decode(q, k, v, out=(packed[:rows * d].view(rows, d), packed[rows * d:]), **kw)
-    parts = all_gather(group, packed)                                    # [P, rows * (d + 1)]
-    o_rows, l_rows = fd.merge_packed(parts, d, out_dtype=q.dtype)
+    if variant == "peer":
+        o_rows = take("tree_decode.out", rows * d, q.dtype, q.device).view(rows, d)
+        l_rows = take("tree_decode.lse", rows, torch.float32, q.device)
+        peer_merge(bufs, rows, d, o_rows, l_rows)
+    else:
+        parts = all_gather(group, packed)                                # [P, rows * (d + 1)]
+        o_rows, l_rows = fd.merge_packed(parts, d, out_dtype=q.dtype)
     # Kernel row order (batch, KV head, query token, head in group) back to [b, n_q, h, d] and [b, h, n_q].
     h_kv = k.shape[2]
     g = h // h_kv
@@ -149,8 +174,13 @@ def tree_merge(o: torch.Tensor, lse: torch.Tensor, *, group=None, variant: str =
     kernel may have produced them (DeFT's tree kernel does, for a prefix sharded over the group).
     """
     group = resolve_group(group)
+    if variant not in VARIANTS:
+        raise ValueError(f"tree_merge: variant must be one of {VARIANTS}, got {variant!r}")
     if dist.get_world_size(group) == 1:
         return o, lse
+    if variant not in _MERGE:
+        raise ValueError(f"tree_merge: variant {variant!r} merges inside tree_decode only (its partials live in "
+                         f"symmetric memory); here use one of {tuple(_MERGE)}")
     return _MERGE[variant](group, o, lse)
 
 

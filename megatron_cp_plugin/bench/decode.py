@@ -34,7 +34,9 @@ import torch.distributed as dist
 
 import megatron_cp_plugin as mcp
 from megatron_cp_plugin.algos.ring_decode import ring_decode
-from megatron_cp_plugin.algos.tree_decode import VARIANTS
+from megatron_cp_plugin.algos.tree_decode import COLLECTIVE_VARIANTS, VARIANTS
+from megatron_cp_plugin.kernels.flash_decode import Workspace
+from megatron_cp_plugin.symmetric import unsupported_reason
 from megatron_cp_plugin.bench._common import gather_max, init_distributed, not_fitting, time_ms, write_report
 from megatron_cp_plugin.inference.floor import bandwidth_note, memory_bandwidth
 from megatron_cp_plugin.kernels.local_attn import decode_fwd
@@ -98,6 +100,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--profile", action="store_true", help="per-kernel time of each configuration's step "
                    "instead of its latency (implies --model; bench/decode_profile.py)")
     g.add_argument("--profile-steps", type=int, default=5, help="steps measured under the profiler")
+    g.add_argument("--variants", nargs="+", choices=VARIANTS, default=None,
+                   help="tree merge variants timed side by side at P > 1 (default: the cost model's choice alone)")
     g.add_argument("--pdl", choices=("on", "off", "both"), default="on",
                    help="programmatic dependent launch of the step's kernels (kernels/_launch.pdl; Hopper and "
                    "newer): both times each graphed row with it and again without ('graph-nopdl')")
@@ -172,7 +176,11 @@ def attention_bench(a, rank: int, world: int, dev, bw: float) -> None:
             return lambda: [fn(*caches[i % a.distinct]) for i in range(a.layers)]
 
         methods = {f"tree {var}": layers(lambda k, v, var=var: mcp.tree_decode(q, k, v, variant=var, validate=False))
-                   for var in VARIANTS}
+                   for var in COLLECTIVE_VARIANTS}
+        if world > 1 and unsupported_reason(None, dev, collective=True) is None:
+            ws = Workspace()                                    # keeps the symmetric buffers of "peer"
+            methods["tree peer"] = layers(lambda k, v: mcp.tree_decode(q, k, v, variant="peer", validate=False,
+                                                                       workspace=ws))
         methods["tree allreduce2, cuDNN local"] = layers(
             lambda k, v: mcp.tree_decode(q, k, v, validate=False, backend="cudnn"))
         methods["ring-decode"] = layers(lambda k, v: ring_decode(q, k, v))
@@ -180,7 +188,7 @@ def attention_bench(a, rank: int, world: int, dev, bw: float) -> None:
         small = torch.zeros(a.heads * (a.head_dim + 1), device=dev)
         methods["all_reduce of (o, lse) bytes only"] = lambda: [dist.all_reduce(small) for _ in range(a.layers)]
         if not a.no_graphs and no_graph is None:
-            for name in GRAPHED:
+            for name in GRAPHED + (("tree peer",) if "tree peer" in methods else ()):
                 replay = graphed(methods[name], graphs)
                 if replay is not None:
                     methods[name + " (CUDA graph)"] = replay

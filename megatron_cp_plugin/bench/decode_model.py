@@ -259,10 +259,14 @@ def model_bench(a, rank: int, world: int, dev, bw: float | None) -> list[dict]:
         emit({"what": "tokens graph == eager", "context": a.check_context, "batch": 1, "decoder": "tree",
               "mode": "graph vs eager", "not_run": no_graph}, f"token check graph == eager: {no_graph}")
     # 2. latency per configuration, the cache filled with random K, V.
-    for n, b, decoder, mode, refused in latency_configs(a, dev, world):
+    runs = [(*c, v) for c in latency_configs(a, dev, world)
+            for v in (a.variants if c[2] == "tree" and world > 1 and a.variants else [None])]
+    for n, b, decoder, mode, refused, variant in runs:
         steps = a.tokens if mode == "graph" else max(4, a.tokens // 4)
         cap = latency_capacity(n, steps, world)
         row = {"what": "latency (random K, V cache)", "context": n, "batch": b, "decoder": decoder, "mode": mode}
+        if variant is not None:
+            row["variant_asked"] = variant
         # refused is the same on every rank, so either all of them or none take part in not_fitting's gather.
         why = refused or not_fitting(config_bytes(a, batch=b, capacity=cap, world=world, decoder=decoder,
                                                   graphed=is_graphed(mode)), dev, group)
@@ -271,7 +275,8 @@ def model_bench(a, rank: int, world: int, dev, bw: float | None) -> list[dict]:
             emit(row, f"{n:>8} b={b} {decoder:4s} {mode:5s} {why}")
             continue
         with pdl_for(mode):
-            dec = StaticDecoder(model, group, batch=b, capacity=cap, decoder=decoder, graphed=is_graphed(mode))
+            dec = StaticDecoder(model, group, batch=b, capacity=cap, decoder=decoder, graphed=is_graphed(mode),
+                                variant=variant)
             dec.fill_random(n, seed=n)
             dec.tokens.copy_(torch.randint(0, VOCAB, (b, 1), generator=torch.Generator().manual_seed(n)).to(dev))
             ms = _timed(dec, steps)
@@ -287,7 +292,7 @@ def model_bench(a, rank: int, world: int, dev, bw: float | None) -> list[dict]:
     for n in a.context:                                         # tree vs ring, graphed, batch 1
         t = {r["decoder"]: r["ms_per_token"] for r in rows if r.get("context") == n and r.get("batch") == 1
              and r.get("mode") == "graph" and "ms_per_token" in r}
-        if {"tree", "ring"} <= set(t):
+        if {"tree", "ring"} <= set(t):                          # (the last tree variant timed)
             emit({"what": "ring / tree (graph, b=1)", "context": n, "ratio": t["ring"] / t["tree"]},
                  f"{n}: ring / tree per token = {t['ring'] / t['tree']:.2f}x")
     return finish(rows, a.out, header, rank, model, ps)

@@ -14,8 +14,9 @@ Each row of algos/registry.py names its entry here ("module:function", imported 
 imports algos (the registry, ulysses' head spans), never the reverse (tests/test_layering.py).
 """
 from .collective import allgather_bytes, allgather_cost, ulysses_bytes, ulysses_cost, ulysses_ring_cost
-from .decode import (DECODE_METHODS, GRAPH_LATENCY_RATIO, GRAPH_LAUNCH_S, LAUNCH_S, DecodeModel, DecodeProblem,
-                     choose_decode, choose_tree_variant, decode_bytes, decode_step_time, predict_decode)
+from .decode import (DECODE_METHODS, GRAPH_LATENCY_RATIO, GRAPH_LAUNCH_S, LAUNCH_S, PEER_METHOD, PEER_SIGNAL_S,
+                     DecodeModel, DecodeProblem, choose_decode, choose_tree_variant, decode_bytes, decode_step_time,
+                     predict_decode)
 from .hardware import (ADD_BYTES, ATTNFIX_BYTES, FA2_H100, HARDWARE, MERGE_BYTES, Hardware, Link, check_int,
                        overlapped, pairs_link, phase_link)
 from .model import (GRID_TIME_TIE, Prediction, Problem, attention2d_cost, attention_flops, best_grid, choose_algo,
@@ -31,6 +32,7 @@ __all__ = [
     # collective.py
     "allgather_bytes", "allgather_cost", "ulysses_bytes", "ulysses_cost", "ulysses_ring_cost",
     # decode.py
-    "DECODE_METHODS", "GRAPH_LATENCY_RATIO", "GRAPH_LAUNCH_S", "LAUNCH_S", "DecodeModel", "DecodeProblem",
+    "DECODE_METHODS", "GRAPH_LATENCY_RATIO", "GRAPH_LAUNCH_S", "LAUNCH_S", "PEER_METHOD", "PEER_SIGNAL_S",
+    "DecodeModel", "DecodeProblem",
     "choose_decode", "choose_tree_variant", "decode_bytes", "decode_step_time", "predict_decode",
 ]

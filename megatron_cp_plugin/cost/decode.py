@@ -18,6 +18,14 @@ from dataclasses import dataclass
 from .hardware import MERGE_BYTES, Hardware, Link, check_int, overlapped, phase_link
 
 DECODE_METHODS = ("tree-allreduce3", "tree-allreduce2", "tree-allgather", "ring-decode")
+PEER_METHOD = "tree-peer"
+"""tree_decode's "peer" variant (kernels/peer_merge.py): no collective, one kernel that signals the peers, reads
+their partials over NVLink and merges. Only within one node, one GPU a rank, NCCL: not among DECODE_METHODS, which
+run anywhere; `choose_tree_variant(..., peer=True)` and `predict_decode` take it."""
+PEER_SIGNAL_S = 1.5e-6
+"""One flag round of the peer kernel (a remote atomic seen by the peer, and its wait), graphed or not. An
+estimate, not measured: two rounds a call (ready, done) against NCCL's ~7.6 us all-gather of 16 kB in a graphed
+2 x H200 step (docs/decode.md)."""
 # Decode is launch-bound: its kernels take microseconds, and PyTorch's eager dispatch + CUDA launch costs ~5-10 us
 # each. Kernels per call, counted in algos/tree_decode.py: the local split-KV step 2, the max / weights / divide
 # of the all-reduce variants 14 (13 unpacked), allgather's fused merge of the gathered buffer 1 (the split-KV
@@ -71,9 +79,10 @@ class DecodeProblem:
 
 
 def decode_bytes(method: str, pb: DecodeProblem) -> int:
-    """Bytes one rank sends in one decode call of `method` (DECODE_METHODS), with comm.py's convention.
-    tree_decode's validation all-gather (validate=True; generation passes False) is not included."""
-    if method not in DECODE_METHODS:
+    """Bytes one rank sends in one decode call of `method` (DECODE_METHODS or PEER_METHOD), with comm.py's
+    convention (peer: the bytes the peers read of this rank's partial). tree_decode's validation all-gather
+    (validate=True; generation passes False) is not included."""
+    if method not in DECODE_METHODS + (PEER_METHOD,):
         raise ValueError(f"method must be one of {DECODE_METHODS}, got {method!r}")
     P, acc = pb.world, 8 if pb.dtype_bytes == 8 else 4
     o = pb.batch * pb.n_q * pb.heads * pb.head_dim * acc           # o / numerator, fp32
@@ -83,7 +92,7 @@ def decode_bytes(method: str, pb: DecodeProblem) -> int:
         return ar(r) + ar(o) + ar(r)
     if method == "tree-allreduce2":
         return ar(r) + ar(o + r)
-    if method == "tree-allgather":
+    if method in ("tree-allgather", PEER_METHOD):
         return (P - 1) * (o + r)
     return (P - 1) * _ring_decode_msg(pb)
 
@@ -96,8 +105,8 @@ def _ring_decode_msg(pb: DecodeProblem) -> int:
 def predict_decode(method: str, pb: DecodeProblem, hw: Hardware, *, graphed: bool = False) -> float:
     """Predicted seconds of one decode call (one layer) of `method` on `hw`. Host overhead: LAUNCH_S per kernel
     eagerly; graphed (the step replayed as a CUDA graph): GRAPH_LAUNCH_S per kernel and collective latencies
-    scaled by GRAPH_LATENCY_RATIO."""
-    if method not in DECODE_METHODS:
+    scaled by GRAPH_LATENCY_RATIO; the peer kernel has no collective: PEER_SIGNAL_S per flag round."""
+    if method not in DECODE_METHODS + (PEER_METHOD,):
         raise ValueError(f"method must be one of {DECODE_METHODS}, got {method!r}")
     P, acc = pb.world, 8 if pb.dtype_bytes == 8 else 4
     k = _DECODE_KERNELS
@@ -117,6 +126,10 @@ def predict_decode(method: str, pb: DecodeProblem, hw: Hardware, *, graphed: boo
         return overlapped(steps, [link(p2p=True).t(_ring_decode_msg(pb))] * (P - 1)) + local + merge
     o = pb.batch * pb.n_q * pb.heads * pb.head_dim * acc
     r = pb.batch * pb.heads * pb.n_q * acc
+    if method == PEER_METHOD:
+        # Two flag rounds, the peers' partials read over NVLink (P - 1 reads at once), the merge's HBM traffic.
+        return (local + 2 * PEER_SIGNAL_S + (P - 1) * (o + r) / hw.intra_bw + launch
+                + (P + 1) * (o + r) / hw.mem_bw)
     if method == "tree-allgather":
         # One all-gather of every rank's packed (o, lse); one kernel reads the P partials and writes the output.
         return local + link(p2p=False).t((P - 1) * (o + r)) + k[method] * launch + (P + 1) * (o + r) / hw.mem_bw
@@ -136,10 +149,13 @@ def choose_decode(pb: DecodeProblem, hw: Hardware, candidates=DECODE_METHODS, *,
     return min(times, key=times.get), times
 
 
-def choose_tree_variant(pb: DecodeProblem, hw: Hardware, *, graphed: bool) -> tuple[str, dict[str, float]]:
-    """tree_decode's merge variant ("allreduce3" | "allreduce2" | "allgather") the model predicts fastest for
-    one layer, eager or graphed, and every variant's predicted seconds (keyed by variant)."""
-    best, times = choose_decode(pb, hw, DECODE_METHODS[:3], graphed=graphed)
+def choose_tree_variant(pb: DecodeProblem, hw: Hardware, *, graphed: bool,
+                        peer: bool = False) -> tuple[str, dict[str, float]]:
+    """tree_decode's merge variant ("allreduce3" | "allreduce2" | "allgather", and "peer" where `peer` says the
+    group can map symmetric memory and P fits one node) the model predicts fastest for one layer, eager or
+    graphed, and every candidate's predicted seconds (keyed by variant)."""
+    peer = peer and pb.world <= hw.gpus_per_node
+    best, times = choose_decode(pb, hw, DECODE_METHODS[:3] + ((PEER_METHOD,) if peer else ()), graphed=graphed)
     return best.split("-", 1)[1], {m.split("-", 1)[1]: t for m, t in times.items()}
 
 
@@ -199,22 +215,27 @@ class DecodeModel:
 
 def decode_step_time(m: DecodeModel, context: int, world: int, hw: Hardware, *, batch: int = 1,
                      mem_bw: float | None = None, small_per_layer: int = SMALL_KERNELS_PER_LAYER,
-                     pdl: bool = True) -> dict[str, float]:
+                     pdl: bool = True, method: str = "tree-allgather") -> dict[str, float]:
     """Predicted seconds of one graphed decode step of model `m` (batch 1-8, tree decoding, the allgather merge at
     P > 1) and its parts: gemm (every weight once at GEMV_EFFICIENCY), attention and exchange (predict_decode per
     layer, graphed), small (SMALL_KERNEL_S each), gaps (GRAPH_GAP_S after every kernel), total; and floor, the
     bandwidth floor (weights + this rank's KV shard) / mem_bw. mem_bw: the bandwidth measured in a run (default
     hw.mem_bw); small_per_layer: the layers' small kernels (6 before the residual adds went into the linears);
-    pdl: the kernels launch with programmatic dependent launch (PDL_GAP_S after each instead of GRAPH_GAP_S)."""
+    pdl: the kernels launch with programmatic dependent launch (PDL_GAP_S after each instead of GRAPH_GAP_S);
+    method: the merge at P > 1, "tree-allgather" (an NCCL all-gather and a merge kernel a layer) or PEER_METHOD
+    (one kernel a layer)."""
+    if method not in ("tree-allgather", PEER_METHOD):
+        raise ValueError(f"method must be 'tree-allgather' or {PEER_METHOD!r}, got {method!r}")
     bw = hw.mem_bw if mem_bw is None else mem_bw
     if not bw > 0:
         raise ValueError(f"mem_bw must be positive, got {mem_bw!r}")
     hwb = dataclasses.replace(hw, mem_bw=bw)
     pb = DecodeProblem(context, world, m.heads, m.kv_heads, m.head_dim, batch=batch, dtype_bytes=m.dtype_bytes)
     local = predict_decode("tree-allgather", dataclasses.replace(pb, world=1, context=pb.shard), hwb, graphed=True)
-    attn = predict_decode("tree-allgather", pb, hwb, graphed=True)
+    attn = predict_decode(method, pb, hwb, graphed=True)
     weights = m.weight_bytes()
-    kernels = m.layers * (4 + small_per_layer + _DECODE_KERNELS["local"] + (2 if world > 1 else 0)) + STEP_KERNELS
+    kernels = m.layers * (4 + small_per_layer + _DECODE_KERNELS["local"]
+                         + (0 if world == 1 else 1 if method == PEER_METHOD else 2)) + STEP_KERNELS
     parts = {"gemm": weights / (bw * GEMV_EFFICIENCY), "attention": m.layers * local,
              "exchange": m.layers * (attn - local), "small": (m.layers * small_per_layer + STEP_KERNELS - 2)
              * SMALL_KERNEL_S, "gaps": kernels * (PDL_GAP_S if pdl else GRAPH_GAP_S)}

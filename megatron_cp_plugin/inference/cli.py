@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..algos.registry import any_divisor
+from ..algos.tree_decode import VARIANTS
 from ..training.config import build_parser, parse_with_configs, transformer_config, validate_args
 from .. import devices
 from ..training.launch import launch
@@ -56,7 +57,7 @@ def _args(argv=None):
     g.add_argument("--batch-size", type=int, default=1, help="sequences decoded together (the prompt repeated)")
     g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--decode-variant", choices=("allreduce3", "allreduce2", "allgather"), default=None,
+    g.add_argument("--decode-variant", choices=VARIANTS, default=None,
                    help="tree decoding's merge (default: the decode cost model's choice)")
     g.add_argument("--decoder", choices=("tree", "ring"), default="tree",
                    help="tree decoding, or the ring-decode baseline (K, V shards passed round every step)")

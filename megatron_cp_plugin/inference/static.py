@@ -35,6 +35,7 @@ from ..algos import registry
 from ..algos.ring_decode import ring_decode
 from ..algos.tree_decode import VARIANTS, tree_decode
 from ..kernels.flash_decode import Workspace
+from ..symmetric import unsupported_reason
 from ..kernels.local_attn import sdpa_over_cache
 from ..kernels.rope_append import rope_append
 from ..sharding import sequence_positions
@@ -131,6 +132,10 @@ class StaticDecoder:
                 self.variant, self.variant_note = "allgather", "none (P = 1)"
             else:
                 self.variant, self.variant_note = self._choose_variant(capacity * self.world)
+        elif decoder == "tree" and variant == "peer" and self.world > 1:
+            why = unsupported_reason(cp_group, self.device, collective=True)
+            if why is not None:
+                raise ValueError(f"variant 'peer' needs one NVLink node, one GPU a rank: {why}")
         dev, long = self.device, torch.long
         self.tokens = torch.zeros(batch, 1, dtype=long, device=dev)        # the token fed to the step
         self.position = torch.zeros(1, dtype=long, device=dev)              # its global position
@@ -154,7 +159,10 @@ class StaticDecoder:
         hw = hardware_of(self.device)
         pb = cm.DecodeProblem(context, self.world, self.heads, self.kv_heads, self.head_dim, batch=self.batch,
                               dtype_bytes=self.cache.k.element_size())
-        best, times = cm.choose_tree_variant(pb, hw, graphed=self.graphed)
+        # "peer" (NVLink, symmetric memory) is a candidate where every rank has its own GPU of one node (a small
+        # all-gather of hosts and GPUs: every rank builds the decoder together).
+        peer = unsupported_reason(self.group, self.device, collective=True) is None
+        best, times = cm.choose_tree_variant(pb, hw, graphed=self.graphed, peer=peer)
         note = (f"{best} (the decode cost model's choice: {hw.name}, "
                 f"{'graphed' if self.graphed else 'eager'}, context {context}, P = {self.world}; us per layer "
                 + ", ".join(f"{v} {t * 1e6:.0f}" for v, t in times.items()) + ")")

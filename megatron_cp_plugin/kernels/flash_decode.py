@@ -231,6 +231,18 @@ class Workspace:
 
     def __init__(self):
         self._bufs: dict[str, torch.Tensor] = {}
+        self._kept: dict = {}
+
+    def keep(self, name: str, device: torch.device, make, fits=lambda _obj: True):
+        """An object kept for the step's calls (tree decoding's symmetric buffers): the one made before, if it
+        `fits`, else make() (outside a capture only, as take)."""
+        obj = self._kept.get(name)
+        if obj is None or not fits(obj):
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"Workspace: {name!r} would be made during CUDA graph capture; run the step "
+                                   "once outside the capture (a warm-up) first")
+            obj = self._kept[name] = make()
+        return obj
 
     def take(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         buf = self._bufs.get(name)

@@ -1,0 +1,106 @@
+"""Symmetric memory among the ranks of one node: buffers that every rank's kernels can read and signal directly
+over NVLink (torch.distributed._symmetric_memory). The one module that calls torch's symmetric memory; tree
+decoding's exchange + merge kernel (kernels/peer_merge.py) is its user.
+
+    bufs = peer_buffers(group, numel, device)   # collective, once, outside any CUDA graph capture
+    bufs.data          this rank's fp32 [numel], which every peer can read
+    bufs.data_ptrs     [P] int64 on the device: every rank's `data` address in this process's address space
+    bufs.flag_ptrs     [P] int64: every rank's int32 flags [2, MAX_PROGRAMS, MAX_WORLD] (zero when idle)
+
+Only unicast peer mappings are used, never NVLink multicast: TORCH_SYMM_MEM_DISABLE_MULTICAST defaults to 1 here
+(a user's explicit setting stands), so torch's rendezvous does not create multicast objects either.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+MAX_WORLD = 8
+"""Ranks of one NVLink node (the kernel's peer vector is this wide)."""
+MAX_PROGRAMS = 64
+"""Programs of one exchange kernel that signal separately (each has its own flag per phase and peer)."""
+
+
+@dataclass
+class PeerBuffers:
+    """One rank's view of a symmetric allocation (see the module docstring)."""
+
+    data: torch.Tensor
+    """This rank's fp32 buffer, readable by every peer."""
+    flags: torch.Tensor
+    """This rank's int32 flags [2, MAX_PROGRAMS, MAX_WORLD]: flags[phase, program, sender] = 1 when `sender` has
+    signalled it; the waiter resets it to 0."""
+    data_ptrs: torch.Tensor
+    """[world] int64 on the device: each rank's `data` as mapped into this process, in group-rank order."""
+    flag_ptrs: torch.Tensor
+    """[world] int64 on the device: each rank's `flags`."""
+    rank: int
+    world: int
+    handles: tuple
+    """torch's symmetric-memory handles, kept alive with the mappings."""
+
+
+def unsupported_reason(group, device: torch.device, *, collective: bool = False) -> str | None:
+    """Why symmetric buffers cannot serve `group` on `device`, or None. Without `collective`, what this rank
+    knows alone (no communication); with it, also that every rank is on one host and has its own GPU (one small
+    all-gather: every rank of the group calls it, and all get the same answer)."""
+    reason = None
+    if device.type != "cuda":
+        reason = f"tensors are on {device}, not a CUDA device"
+    elif not dist.is_initialized() or dist.get_backend(group) != "nccl":
+        reason = "the group is not an NCCL group (gloo ranks, or ranks sharing a GPU)"
+    elif dist.get_world_size(group) > MAX_WORLD:
+        reason = f"the group has {dist.get_world_size(group)} ranks, more than one node's {MAX_WORLD}"
+    else:
+        try:
+            import torch.distributed._symmetric_memory  # noqa: F401
+        except ImportError as e:
+            reason = f"torch has no symmetric memory ({e})"
+    if reason is not None or not collective:
+        return reason
+    # One host and one GPU a rank: peers map each other's memory over NVLink, and the exchange kernel spins on
+    # its flags, which two ranks time-sharing one GPU could turn into a wait on each other.
+    me = (socket.gethostname(), str(torch.cuda.get_device_properties(device).uuid))
+    every = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, me, group=group)
+    if len({h for h, _ in every}) > 1:
+        return "the group spans several hosts"
+    if len({u for _, u in every}) < len(every):
+        return "ranks of the group share a GPU"
+    return None
+
+
+def peer_buffers(group, numel: int, device: torch.device) -> PeerBuffers:
+    """Allocate and map one symmetric fp32 buffer of `numel` and its flags on every rank of `group` (a collective:
+    every rank calls it with the same numel). ValueError, the same on every rank, where it cannot."""
+    reason = unsupported_reason(group, device, collective=True)
+    if reason is not None:
+        raise ValueError(f"tree_decode variant 'peer' needs one NVLink node, one GPU a rank: {reason}")
+    import torch.distributed._symmetric_memory as symm
+
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    name = group.group_name
+    enabled = getattr(symm, "is_symm_mem_enabled_for_group", None)
+    if enabled is not None and not enabled(name):       # torch < 2.8 needs this; later ones ignore it
+        symm.enable_symm_mem_for_group(name)
+    data = symm.empty(numel, dtype=torch.float32, device=device)
+    flags = symm.empty(2 * MAX_PROGRAMS * MAX_WORLD, dtype=torch.int32, device=device)
+    flags.zero_()
+    hd, hf = symm.rendezvous(data, group), symm.rendezvous(flags, group)
+    # Every rank's flags are zero before any rank can signal into them.
+    torch.cuda.synchronize(device)
+    dist.barrier(group=group, device_ids=[device.index])
+    return PeerBuffers(data, flags.view(2, MAX_PROGRAMS, MAX_WORLD), _mapped(hd, data), _mapped(hf, flags),
+                       dist.get_rank(group), dist.get_world_size(group), (hd, hf))
+
+
+def _mapped(handle, t: torch.Tensor) -> torch.Tensor:
+    """Every rank's copy of t, as addresses in this process: a symmetric tensor lies at the same offset in each
+    rank's allocation (torch may place several in one pooled block, so the block's base is not t's address)."""
+    bases = list(handle.buffer_ptrs)
+    offset = t.data_ptr() - bases[handle.rank]
+    return torch.tensor([b + offset for b in bases], dtype=torch.int64, device=t.device)
