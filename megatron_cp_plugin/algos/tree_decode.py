@@ -153,8 +153,9 @@ def _tree_decode_split_kv(q, k, v, group, scale, variant, kv_positions, q_positi
         packed = take("tree_decode.packed", rows * (d + 1), torch.float32, q.device)
     fd.flash_decode(q, k, v, out=(packed[:rows * d].view(rows, d), packed[rows * d:]), **kw)
     if variant == "peer":
-        o_rows = take("tree_decode.out", rows * d, q.dtype, q.device).view(rows, d)
-        l_rows = take("tree_decode.lse", rows, torch.float32, q.device)
+        # A new output per call, as the other variants return (a graph takes it from its pool).
+        o_rows = torch.empty(rows, d, dtype=q.dtype, device=q.device)
+        l_rows = torch.empty(rows, dtype=torch.float32, device=q.device)
         peer_merge(bufs, rows, d, o_rows, l_rows)
     else:
         parts = all_gather(group, packed)                                # [P, rows * (d + 1)]

@@ -242,7 +242,7 @@ def model_bench(a, rank: int, world: int, dev, bw: float | None) -> list[dict]:
         for mode in modes:
             dec = StaticDecoder(model, group, batch=1, capacity=cap, graphed=mode == "graph")
             toks[mode] = dec.generate(prompt, max_new_tokens=a.tokens, algo="ring")[0].tolist()
-            prefill_s = dec.timings["prefill_s"]
+            prefill_s, row["variant"] = dec.timings["prefill_s"], dec.variant
             dec.close()
             dec = None
             _release()
@@ -252,7 +252,8 @@ def model_bench(a, rank: int, world: int, dev, bw: float | None) -> list[dict]:
         row.update(ok=why is None, distinct=len(set(toks["eager"])), **{f"tokens_{m}": t for m, t in toks.items()})
         if why:
             row["why"] = why
-        emit(row, f"token check: prompt {a.check_context} (prefill ring {prefill_s:.2f} s), {a.tokens} greedy "
+        emit(row, f"token check ({row['variant']}): prompt {a.check_context} (prefill ring {prefill_s:.2f} s), "
+                  f"{a.tokens} greedy "
                   f"tokens, {row['distinct']} distinct, {row['what']}: {'ok' if why is None else 'FAIL: ' + why}\n"
                   + "\n".join(f"  {m} {t}" for m, t in toks.items()))
     if no_graph:
