@@ -34,7 +34,7 @@ import torch.distributed as dist
 from ..algos import registry
 from ..algos.ring_decode import ring_decode
 from ..algos.tree_decode import VARIANTS, tree_decode
-from ..kernels.flash_decode import Workspace
+from ..kernels.flash_decode import HEAD_DIMS, Workspace
 from ..symmetric import unsupported_reason
 from ..kernels.local_attn import sdpa_over_cache
 from ..kernels.rope_append import rope_append
@@ -133,7 +133,7 @@ class StaticDecoder:
             else:
                 self.variant, self.variant_note = self._choose_variant(capacity * self.world)
         elif decoder == "tree" and variant == "peer" and self.world > 1:
-            why = unsupported_reason(cp_group, self.device, collective=True)
+            why = self._peer_unsupported()
             if why is not None:
                 raise ValueError(f"variant 'peer' needs one NVLink node, one GPU a rank: {why}")
         dev, long = self.device, torch.long
@@ -152,6 +152,15 @@ class StaticDecoder:
         self.timings: dict = {}
 
     # ------------------------------------------------------------------------------------------ set-up
+    def _peer_unsupported(self) -> str | None:
+        """Why the "peer" merge cannot run this step, or None: it needs the split-KV kernel (a head_dim it has, not
+        fp64) and symmetric memory, every rank its own GPU of one node (a small all-gather of hosts and GPUs:
+        every rank builds the decoder together, and the shapes agree, so all take the same branches)."""
+        if self.head_dim not in HEAD_DIMS or self.cache.k.dtype == torch.float64:
+            return f"the split-KV kernel takes head_dim {HEAD_DIMS} and no fp64 (here {self.head_dim}, " \
+                   f"{self.cache.k.dtype})"
+        return unsupported_reason(self.group, self.device, collective=True)
+
     def _choose_variant(self, context: int) -> tuple[str, str]:
         from .. import cost as cm
         from .floor import hardware_of
@@ -159,9 +168,7 @@ class StaticDecoder:
         hw = hardware_of(self.device)
         pb = cm.DecodeProblem(context, self.world, self.heads, self.kv_heads, self.head_dim, batch=self.batch,
                               dtype_bytes=self.cache.k.element_size())
-        # "peer" (NVLink, symmetric memory) is a candidate where every rank has its own GPU of one node (a small
-        # all-gather of hosts and GPUs: every rank builds the decoder together).
-        peer = unsupported_reason(self.group, self.device, collective=True) is None
+        peer = self._peer_unsupported() is None
         best, times = cm.choose_tree_variant(pb, hw, graphed=self.graphed, peer=peer)
         note = (f"{best} (the decode cost model's choice: {hw.name}, "
                 f"{'graphed' if self.graphed else 'eager'}, context {context}, P = {self.world}; us per layer "
