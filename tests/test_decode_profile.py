@@ -73,6 +73,7 @@ REAL_NAMES = {
     "void at::native::indexSelectSmallIndex<c10::BFloat16, long, unsigned int, 2, 2, -2>(at::cuda::detail::"
     "TensorInfo<c10::BFloat16, unsigned int>, at::cuda::detail::TensorInfo<c10::BFloat16 const, unsigned int>, "
     "at::cuda::detail::TensorInfo<long const, unsigned int>, int, int, unsigned int, unsigned int, long)": "other",
+    "_peer_merge_kernel": "exchange",          # tree_decode "peer": the exchange and merge in one kernel
     # CPU (the eager step's outermost ops)
     "LinearWithGradAccumulationAndAsyncCommunication": "gemm",
     "aten::linear": "gemm",
@@ -103,6 +104,8 @@ def test_a_merge_right_after_the_attention_kernel_is_its_split_kv_combine():
              "_merge_kernel", "nvjet_tst_64x8_64x16_4x1_v_bz_TNT"]
     assert classify_all(layer) == ["attention", "attention", "exchange", "merge", "gemm"]
     assert classify_all(["_merge_kernel"]) == ["merge"]
+    assert classify_all(["_partial_kernel", "_merge_kernel", "_peer_merge_kernel", "_gemv_kernel"]) == [
+        "attention", "attention", "exchange", "gemm"]
 
 
 def _k(name, ts, dur, device=0, cat="kernel"):

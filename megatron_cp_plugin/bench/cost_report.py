@@ -296,13 +296,14 @@ def table_decode(hw_names=("h200-nvlink", "h200-sockets")) -> list[Table]:
 
 def decode_step_rows(meas: dict) -> list[tuple[dict, dict]]:
     """(row, decode_step_time's prediction) for each row of one measured decode-step set: a row's own batch, pdl,
-    mem_bw and small_per_layer override the set's."""
+    mem_bw and small_per_layer override the set's; its method (the merge at CP > 1) defaults to tree-allgather."""
     from megatron_cp_plugin.cost.decode import DecodeModel, decode_step_time
 
     m, hw = DecodeModel(**meas["model"]), HARDWARE[meas["hardware"]]
     return [(r, decode_step_time(m, r["context"], r["world"], hw, batch=r.get("batch", 1),
                                  mem_bw=r.get("mem_bw", meas["mem_bw"]), pdl=r.get("pdl", meas["pdl"]),
-                                 small_per_layer=r.get("small_per_layer", meas["small_per_layer"])))
+                                 small_per_layer=r.get("small_per_layer", meas["small_per_layer"]),
+                                 method=r.get("method", "tree-allgather")))
             for r in meas["rows"]]
 
 
@@ -314,12 +315,16 @@ def table_decode_step() -> list[Table]:
     measured = load_measured()
     out = []
     for key, what in (("decode_step", "constants fitted on the first two rows"),
-                      ("decode_step_h200", "a check: nothing fitted on it")):
+                      ("decode_step_h200", "a check: nothing fitted on it"),
+                      ("decode_step_h200_peer", "per-device GEMV blocks, allgather against peer in one run; a "
+                                                "check (PEER_SIGNAL_S comes from this run's 128k pair and an "
+                                                "earlier profile)")):
         meas = measured[key]
         m = DecodeModel(**meas["model"])
         rows = []
         for r, p in decode_step_rows(meas):
             rows.append({"CP": r["world"], "context": _k(r["context"]), "batch": r.get("batch", 1),
+                         "merge": r.get("method", "tree-allgather")[5:] if r["world"] > 1 else "-",
                          "PDL": "on" if r.get("pdl", meas["pdl"]) else "off",
                          "TB/s": r.get("mem_bw", meas["mem_bw"]) / 1e12, "measured ms": r["ms"],
                          "predicted ms": p["total"] * 1e3, "error": p["total"] * 1e3 / r["ms"] - 1,
@@ -333,11 +338,11 @@ def table_decode_step() -> list[Table]:
     for name in ("h100-ib", "h200-nvlink"):
         for P in (1, 2, 4, 8):
             for S in (32768, 131072, 524288):
-                p = decode_step_time(m, S, P, HARDWARE[name])
+                p = decode_step_time(m, S, P, HARDWARE[name], method="tree-peer" if P > 1 else "tree-allgather")
                 rows.append({"hardware": name, "CP": P, "context": _k(S), "ms": p["total"] * 1e3,
                              "floor ms": p["floor"] * 1e3, "x floor": p["total"] / p["floor"],
                              "tokens/s over CP = 1": decode_step_time(m, S, 1, HARDWARE[name])["total"] / p["total"]})
-    out.append(Table("decode step predicted (the 8B shape, batch 1, graphed, tree allgather at P > 1; the fused "
+    out.append(Table("decode step predicted (the 8B shape, batch 1, graphed, tree peer at P > 1 (one node); the fused "
                      "linears with the residual adds inside: 4 small kernels a layer; PDL; hw.mem_bw as the floor's "
                      "bandwidth)", rows, {c: (lambda v: f"{v:.2f}") for c in ("ms", "floor ms", "x floor",
                                                                           "tokens/s over CP = 1")}))

@@ -42,7 +42,8 @@ from megatron_cp_plugin.bench._common import not_fitting, write_report
 # the first pattern that matches (re.search, any case) decides, so the specific come before the general
 # (flash-attention's names contain "cutlass", cuDNN's "wgmma"; index_copy is the cache append, not a copy).
 KERNEL_CLASSES: dict[str, str] = {
-    r"nccl|c10d::|gloo|record_param_comms|\ball_?(gather|reduce)|send_?recv": "exchange",
+    # The peer kernel (kernels/peer_merge.py) waits for the peers and reads their partials: exchange and merge.
+    r"nccl|c10d::|gloo|record_param_comms|\ball_?(gather|reduce)|send_?recv|_peer_merge_kernel": "exchange",
     r"(?<![a-z])rope|rotary|index_copy|\b(cos|sin)_kernel|aten::(cos|sin|outer)\b": "rope_append",
     r"_partial_kernel|_deft_|flash|fmha|sdpa|attention|cudnn|aten::(einsum|bmm|baddbmm)\b": "attention",
     r"ArgMax|ArgMin|argmax|softmax|topk|sort|multinomial|cumsum": "sampling",

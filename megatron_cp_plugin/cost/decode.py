@@ -22,10 +22,13 @@ PEER_METHOD = "tree-peer"
 """tree_decode's "peer" variant (kernels/peer_merge.py): no collective, one kernel that signals the peers, reads
 their partials over NVLink and merges. Only within one node, one GPU a rank, NCCL: not among DECODE_METHODS, which
 run anywhere; `choose_tree_variant(..., peer=True)` and `predict_decode` take it."""
-PEER_SIGNAL_S = 1.5e-6
-"""One flag round of the peer kernel (a remote atomic seen by the peer, and its wait), graphed or not. An
-estimate, not measured: two rounds a call (ready, done) against NCCL's ~7.6 us all-gather of 16 kB in a graphed
-2 x H200 step (docs/decode.md)."""
+PEER_SIGNAL_S = 0.6e-6
+"""One flag round of the peer kernel (a remote atomic seen by the peer, and its wait), graphed or not; two a call
+(ready, done). Fitted, not measured alone: on 2 x H200 the graphed 8B-shape step at 128k took 5.50 ms with the
+peer kernel against 5.74 with allgather in one run (0.24 ms, 7.5 us a layer), and an earlier profile put
+allgather's NCCL all-gather + merge at 7.6 + 1.4 us a layer: ~1.5 us a call for the peer kernel, two rounds of
+~0.6 us and its read and merge. (This model's graphed all-gather is ~22 us a layer, above that profile's 9: the
+decode-step check sets absorb it; docs/cost_model.md.)"""
 # Decode is launch-bound: its kernels take microseconds, and PyTorch's eager dispatch + CUDA launch costs ~5-10 us
 # each. Kernels per call, counted in algos/tree_decode.py: the local split-KV step 2, the max / weights / divide
 # of the all-reduce variants 14 (13 unpacked), allgather's fused merge of the gathered buffer 1 (the split-KV
