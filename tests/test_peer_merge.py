@@ -91,3 +91,14 @@ def test_rejects_a_buffer_too_small_and_a_wrong_output():
         pm.peer_merge(bufs, 9, 64, torch.empty(9, 64, device=DEV), torch.empty(9, device=DEV))
     with pytest.raises(ValueError, match="out_lse"):
         pm.peer_merge(bufs, 8, 64, torch.empty(8, 64, device=DEV), torch.empty(8, device=DEV, dtype=torch.float64))
+
+
+def test_the_benchmark_says_why_it_cannot_run_here(tmp_path):
+    """`megatron-cp-bench peer-merge` (bench/peer_merge.py) outside one NVLink node: one line, exit 0."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "megatron_cp_plugin.bench", "peer-merge", "--out", str(tmp_path / "p")],
+                       capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "the peer kernel cannot run here" in r.stdout and "nothing run" in r.stdout
