@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 
 import pytest
 import torch
@@ -697,3 +698,27 @@ def test_no_abort_at_exit_without_a_final_barrier():
     script = Path(__file__).with_name("exit_check.py")
     r = subprocess.run([sys.executable, str(script), "--runs", "3", "--algos", "attention2d-no"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "exit_check: ok" in r.stdout, r.stdout + r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("triton_kernel", [False, True])
+@pytest.mark.parametrize("b,ks", [(1, slice(None)), (1, slice(None, -1)), (2, slice(None)), (2, slice(None, -1))])
+def test_attention2d_o_adds_a_batched_calls_chunk_gradients_in_place(monkeypatch, b, ks, triton_kernel):
+    """add_chunks_ adds m chunks' dK (or dV) into their strided slab of the fp32 part buffer [R, 2, b, s, h, d], on
+    the covered key rows only, as one add per chunk would: b = 1 and full rows in one launch (a 4-dim view), strict
+    rows (the last key row uncovered) with b > 1 one a chunk; through torch's add_ and through accumulate_'s Triton
+    kernel (interpreted on CPU, as tests/test_merge.py runs it), above its size threshold."""
+    from megatron_cp_plugin.algos.attention2d_o import add_chunks_
+    from megatron_cp_plugin.kernels import merge as M
+    if triton_kernel:
+        if not (M.triton is not None and os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()):
+            pytest.skip("SKIPPED LOUDLY: Triton cannot run here")
+        monkeypatch.setattr(M, "INTERPRET_CPU", True)
+        monkeypatch.setattr(M, "ACCUMULATE_MIN_NUMEL", 0)
+    g = torch.Generator().manual_seed(b)
+    part = torch.randn(5, 2, b, 7, 3, 4, generator=g)
+    want = part.clone()
+    s_cov = len(range(7)[ks])
+    grads = torch.randn(3, b, s_cov, 3, 4, generator=g).to(torch.bfloat16)
+    add_chunks_(part[1:4, 1], grads, ks)
+    want[1:4, 1, :, ks] += grads.float()
+    assert torch.equal(part, want)

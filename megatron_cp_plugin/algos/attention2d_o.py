@@ -135,10 +135,24 @@ def bwd_batched(dq_t, dkv_part, blk, o_j, st: Stacked, q_res, causal, cap, *, sc
             dq = dq.unflatten(0, (m, b)).sum(0, dtype=acc)
             (dq_t[:, qs].copy_ if first else dq_t[:, qs].add_)(dq)
             for x, g in enumerate((dk, dv)):
-                g = g.unflatten(0, (m, b))
-                for u in range(m):                   # 4-dim views: accumulate_'s one vectorised pass each
-                    accumulate_(dkv_part[lo + u, x][:, ks], g[u])
+                add_chunks_(dkv_part[lo:hi, x], g.unflatten(0, (m, b)), ks)
         first = False
+
+
+def add_chunks_(dst, g, ks):
+    """dst[:, :, ks] += g: dst [m, b, s, h_kv, d] fp32 (m chunks' dK or dV, a strided slab of dkv_part), g [m, b, s',
+    h_kv, d] one batched call's gradients. One accumulate_ launch (4-dim views) where b = 1 or every key row is
+    covered (b and s merge); else one a chunk. One launch a chunk was 126 of them a backward at P = 64 (8 x 8),
+    4.6 ms of an H100 rank's profile (docs/performance.md, ninth session)."""
+    m, b = g.shape[:2]
+    part = dst[:, :, ks]
+    if b == 1:
+        accumulate_(part[:, 0], g[:, 0])
+    elif ks == slice(None):
+        accumulate_(part.view(m, b * part.shape[2], *part.shape[3:]), g.reshape(m, b * g.shape[2], *g.shape[3:]))
+    else:
+        for u in range(m):
+            accumulate_(part[u], g[u])
 
 
 def _forward(grid: CPGrid, q, k, v, *, causal, scale, backend, stats=None, packing=None):
