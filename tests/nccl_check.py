@@ -35,6 +35,7 @@ import megatron_cp_plugin as mcp
 from megatron_cp_plugin.bench._common import init_distributed
 from megatron_cp_plugin.algos import BASELINES
 from megatron_cp_plugin.algos.tree_decode import VARIANTS
+from megatron_cp_plugin.bench.decode import graphed
 from megatron_cp_plugin.kernels.flash_decode import Workspace
 from megatron_cp_plugin.symmetric import unsupported_reason
 from megatron_cp_plugin.kernels.local_attn import block_bwd, block_fwd, decode_fwd
@@ -134,18 +135,15 @@ def peer_graph_check(a, world, dev, calls=3, replays=200) -> int:
                                     validate=False) for k, v in caches]
     qg = torch.Generator(device=dev).manual_seed(5)                # the same queries on every rank
     q.copy_(torch.randn(q.shape, device=dev, generator=qg))
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step()
+    outs, graphs = [], []
+    replay = graphed(lambda: outs.extend(step()), graphs)       # outs: the captured call's outputs (last three)
+    outs = outs[-calls:]
+    if replay is None:
+        return 1
     worst = 0.0
     for _ in range(replays):
         q.copy_(torch.randn(q.shape, device=dev, generator=qg))
-        graph.replay()
+        replay()
         ref = [mcp.tree_decode(q, k, v, variant="allgather", validate=False) for k, v in caches]
         worst = max(worst, *(_rel_l2(o, r) for o, r in zip(outs, ref)))
     every = [None] * world
@@ -154,7 +152,7 @@ def peer_graph_check(a, world, dev, calls=3, replays=200) -> int:
     if rank == 0:
         print(f"tree_decode peer P={world}: CUDA graph of {calls} calls x {replays} replays against allgather: "
               f"worst {max(every):.2e}  {'ok' if ok else 'FAIL'}", flush=True)
-    del graph
+    graphs.clear()
     return int(not ok)
 
 

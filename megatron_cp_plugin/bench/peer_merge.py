@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_cp_plugin.bench._common import gather_max, init_distributed, time_ms, write_report
+from megatron_cp_plugin.bench.decode import graphed
 
 
 def main(argv=None):
@@ -64,17 +65,9 @@ def main(argv=None):
         row = {"rows": R, "world": world, "layers": a.layers, "max_diff": diff}
         for name, fn in (("allgather", gathered), ("peer", peer)):
             row[f"{name}_eager_us"] = gather_max(time_ms(fn, iters=a.iters, before=dist.barrier)) * 1e3 / a.layers
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                fn()
-            torch.cuda.current_stream().wait_stream(s)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                fn()
-            graphs.append(graph)
-            row[f"{name}_graph_us"] = gather_max(time_ms(graph.replay, iters=a.iters, before=dist.barrier)) \
-                * 1e3 / a.layers
+            replay = graphed(fn, graphs)
+            row[f"{name}_graph_us"] = float("nan") if replay is None else \
+                gather_max(time_ms(replay, iters=a.iters, before=dist.barrier)) * 1e3 / a.layers
         rows_out.append(row)
         if rank == 0:
             print(f"rows {R}: allgather {row['allgather_graph_us']:.1f} us graphed ({row['allgather_eager_us']:.1f} "
