@@ -76,7 +76,9 @@ def unsupported_reason(group, device: torch.device, *, collective: bool = False)
 
 def peer_buffers(group, numel: int, device: torch.device) -> PeerBuffers:
     """Allocate and map one symmetric fp32 buffer of `numel` and its flags on every rank of `group` (a collective:
-    every rank calls it with the same numel). ValueError, the same on every rank, where it cannot."""
+    every rank calls it with the same numel; None: the default group). ValueError, the same on every rank, where it
+    cannot."""
+    group = dist.group.WORLD if group is None else group
     reason = unsupported_reason(group, device, collective=True)
     if reason is not None:
         raise ValueError(f"tree_decode variant 'peer' needs one NVLink node, one GPU a rank: {reason}")
