@@ -42,7 +42,8 @@ COLLECTIVE_VARIANTS = VARIANTS[:3]
 DEFAULT_VARIANT = "allgather"    # fastest eager at 32k-512k on 2 x H200 (docs/results/decode.md): one collective + one fused merge kernel
 
 
-def _check(q, k, v, group, variant, kv_positions, q_positions, validate, kv_lengths=None, workspace=None):
+def _check(q, k, v, group, variant, kv_positions, q_positions, validate, kv_lengths=None, workspace=None,
+           backend=None):
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -64,11 +65,12 @@ def _check(q, k, v, group, variant, kv_positions, q_positions, validate, kv_leng
                          f"{tuple(kv_lengths.shape)} {kv_lengths.dtype}")
     group = resolve_group(group)
     if variant == "peer" and dist.get_world_size(group) > 1 and (
-            workspace is None or not _split_kv(q, None, kv_lengths, workspace)):
+            workspace is None or not _split_kv(q, backend, kv_lengths, workspace)):
         raise ValueError("variant 'peer' needs workspace= (a kernels.flash_decode.Workspace, which keeps the "
-                         f"symmetric buffers) and CUDA tensors of head_dim in {fd.HEAD_DIMS}, not fp64; got "
-                         f"workspace={'given' if workspace is not None else None}, q {q.dtype} on {q.device}, "
-                         f"head_dim {q.shape[-1]}")
+                         f"symmetric buffers), CUDA tensors of head_dim in {fd.HEAD_DIMS}, not fp64, and the split-KV "
+                         f"kernel (backend None or 'triton'); got workspace="
+                         f"{'given' if workspace is not None else None}, q {q.dtype} on {q.device}, head_dim "
+                         f"{q.shape[-1]}, backend {backend!r}")
     if validate and dist.get_world_size(group) > 1:
         # One tiny all-gather, so that ranks disagreeing on shapes raise together instead of hanging.
         dev = q.device if q.device.type == "cuda" else torch.device("cpu")
@@ -93,7 +95,7 @@ def tree_decode(q, k, v, *, group=None, softmax_scale: float | None = None, vari
     check (a device-to-host read), for a generation loop that has already validated its shapes and cache
     (and for a CUDA graph capture, which allows no host read).
     """
-    group = _check(q, k, v, group, variant, kv_positions, q_positions, validate, kv_lengths, workspace)
+    group = _check(q, k, v, group, variant, kv_positions, q_positions, validate, kv_lengths, workspace, backend)
     with torch.no_grad():
         if _split_kv(q, backend, kv_lengths, workspace):
             o, lse = _tree_decode_split_kv(q, k, v, group, softmax_scale, variant, kv_positions, q_positions,
