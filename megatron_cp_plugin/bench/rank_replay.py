@@ -4,7 +4,8 @@
 
 Each algorithm runs through its public function and its real autograd backward (algos/ring.py, burst.py,
 attention2d.py, attention2d_o.py) with torch.distributed swapped, under comm.py, for a ReplayDist
-(bench/_replay_comm.py): every receive is one on-device copy of the bytes that rank would receive, prepared by a
+(bench/_replay_comm.py): every receive is an on-device copy of the bytes that rank would receive (one
+multi-tensor copy a posted batch, as NCCL's one grouped launch), prepared by a
 first call. So the kernels, merges, casts, accumulator adds and comm.py's own packing measured are exactly
 those of that rank in a P-rank run; only the wire is gone. tests/test_rank_replay.py checks that a replay fed
 with a real gloo run's receives gives that run's outputs and gradients bit for bit.
@@ -146,20 +147,23 @@ class OpCounter(TorchDispatchMode):
                     self.paused -= 1
             return call
 
-        fill = replay.d._fill
+        fills = {n: getattr(replay.d, n) for n in ("_fill", "_fill_many")}
 
-        def quiet_fill(*a):                          # the replayed receives stand for the wire: not counted
-            self.paused += 1
-            try:
-                fill(*a)
-            finally:
-                self.paused -= 1
+        def quiet(f):                                # the replayed receives stand for the wire: not counted
+            def call(*a):
+                self.paused += 1
+                try:
+                    f(*a)
+                finally:
+                    self.paused -= 1
+            return call
 
         for t in tables:
             t.update({n: wrap(f) for n, f in t.items()})
         launch = kernels_launch.launch
         kernels_launch.launch = wrap(launch, attn=False)
-        replay.d._fill = quiet_fill
+        for n, f in fills.items():
+            setattr(replay.d, n, quiet(f))
         try:
             with self:
                 yield self
@@ -167,7 +171,8 @@ class OpCounter(TorchDispatchMode):
             for t, s in zip(tables, saved):
                 t.update(s)
             kernels_launch.launch = launch
-            del replay.d._fill
+            for n in fills:
+                delattr(replay.d, n)
 
 
 def count_launches(replay: RankReplay) -> dict:
