@@ -102,3 +102,19 @@ def test_the_benchmark_says_why_it_cannot_run_here(tmp_path):
                        capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "the peer kernel cannot run here" in r.stdout and "nothing run" in r.stdout
+
+
+def test_the_workspace_keeps_an_object_while_it_fits():
+    """Workspace.keep (where tree_decode keeps its symmetric buffers): made once, reused while `fits`, made again
+    (a new rendezvous) when the rows grow."""
+    ws = fd.Workspace()
+    made = []
+
+    def make(n):
+        made.append(n)
+        return SimpleNamespace(n=n)
+
+    a = ws.keep("x", torch.device("cpu"), lambda: make(8), fits=lambda o: o.n >= 8)
+    assert ws.keep("x", torch.device("cpu"), lambda: make(8), fits=lambda o: o.n >= 4) is a
+    b = ws.keep("x", torch.device("cpu"), lambda: make(16), fits=lambda o: o.n >= 16)
+    assert b is not a and b.n == 16 and made == [8, 16]
