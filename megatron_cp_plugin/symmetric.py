@@ -63,14 +63,23 @@ def unsupported_reason(group, device: torch.device, *, collective: bool = False)
     if reason is not None or not collective:
         return reason
     # One host and one GPU a rank: peers map each other's memory over NVLink, and the exchange kernel spins on
-    # its flags, which two ranks time-sharing one GPU could turn into a wait on each other.
-    me = (socket.gethostname(), str(torch.cuda.get_device_properties(device).uuid))
+    # its flags, which two ranks time-sharing one GPU could turn into a wait on each other. NVLink, not PCIe: the
+    # kernel's flags are system-scope atomics on a peer's memory, which PCIe peer-to-peer often does not carry.
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(index)
     every = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every, me, group=group)
-    if len({h for h, _ in every}) > 1:
+    dist.all_gather_object(every, (socket.gethostname(), str(props.uuid), index, props.name), group=group)
+    if len({e[0] for e in every}) > 1:
         return "the group spans several hosts"
-    if len({u for _, u in every}) < len(every):
+    if len({e[1] for e in every}) < len(every):
         return "ranks of the group share a GPU"
+    if any("PCIe" in e[3] for e in every):
+        return f"PCIe GPUs ({every[0][3]}): the kernel signals over NVLink"
+    reach = all(torch.cuda.can_device_access_peer(index, e[2]) for e in every if e[2] != index)
+    oks = [None] * len(every)
+    dist.all_gather_object(oks, reach, group=group)
+    if not all(oks):
+        return "a rank's GPU cannot access a peer's memory (no peer-to-peer between them)"
     return None
 
 
