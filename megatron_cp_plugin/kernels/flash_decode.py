@@ -230,27 +230,23 @@ class Workspace:
     graph capture of the step allocates nothing here. A buffer grows only outside a capture."""
 
     def __init__(self):
-        self._bufs: dict[str, torch.Tensor] = {}
         self._kept: dict = {}
 
     def keep(self, name: str, device: torch.device, make, fits=lambda _obj: True):
-        """An object kept for the step's calls (tree decoding's symmetric buffers): the one made before, if it
-        `fits`, else make() (outside a capture only, as take)."""
+        """The object kept under `name` (a buffer; tree decoding's symmetric buffers): the one made before, if it
+        `fits`, else make(), which a CUDA graph capture does not allow (the step's warm-up makes everything)."""
         obj = self._kept.get(name)
         if obj is None or not fits(obj):
             if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(f"Workspace: {name!r} would be made during CUDA graph capture; run the step "
-                                   "once outside the capture (a warm-up) first")
+                raise RuntimeError(f"Workspace: {name!r} would be allocated during CUDA graph capture; run the "
+                                   "step once outside the capture (a warm-up) first")
             obj = self._kept[name] = make()
         return obj
 
     def take(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        buf = self._bufs.get(name)
-        if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != device:
-            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(f"Workspace: buffer {name!r} would be allocated during CUDA graph capture; run "
-                                   "the step once outside the capture (a warm-up) first")
-            buf = self._bufs[name] = torch.empty(numel, dtype=dtype, device=device)
+        """A buffer of at least `numel` elements of dtype on device (its first numel)."""
+        buf = self.keep(name, device, lambda: torch.empty(numel, dtype=dtype, device=device),
+                        fits=lambda b: b.numel() >= numel and b.dtype == dtype and b.device == device)
         return buf[:numel]
 
 
