@@ -341,9 +341,13 @@ def test_scaling_shape():
     """Fixed N: per-rank attention2d bytes fall with P, ring's stay flat; over a slow link that makes
     attention2d scale where ring does not (attention2d.txt Sec. 4.2)."""
     hw = HARDWARE["h100-eth"]
-    ring = [cm.predict("ring", Problem(262144, P, 32), hw) for P in (16, 64)]
+    ring = [cm.predict("ring-te", Problem(262144, P, 32), hw) for P in (16, 64)]
     a2d = [cm.predict("attention2d-no", Problem(262144, P, 32), hw) for P in (16, 64)]
     assert ring[1].fwd_bytes + ring[1].bwd_bytes >= ring[0].fwd_bytes + ring[0].bwd_bytes
+    # ring's own: fp32 dK, dV on the neighbour ring (16k tokens a rank), the input dtype in rounds (4k): ring-te's
+    own = [cm.comm_bytes("ring", Problem(262144, P, 32)) for P in (16, 64)]
+    assert 3 * sum(own[0]) == 4 * (ring[0].fwd_bytes + ring[0].bwd_bytes)
+    assert sum(own[1]) == ring[1].fwd_bytes + ring[1].bwd_bytes
     assert a2d[1].fwd_bytes + a2d[1].bwd_bytes < 0.6 * (a2d[0].fwd_bytes + a2d[0].bwd_bytes)
     assert a2d[1].total_s < 0.6 * a2d[0].total_s and ring[1].total_s > 0.8 * ring[0].total_s
     # Node-aware placement: an 8 x 8 grid on 8-GPU nodes keeps rows (Q, dO, fp32 o and dQ partials) on NVLink
@@ -411,7 +415,8 @@ def test_scale_and_bytes_tables_render(capsys):
     assert "| P | link Gb/s | h/h_kv | N | ring-te ms | ring | burst | attention2d-no | attention2d-o | grid |" in out
     for P, gbps in ((16, 100), (32, 200), (64, 400)):
         assert f"| {P} | {gbps} | 32/8 | 1M |" in out
-    assert out.count("Sec. 4.") >= 3 and "| 16 | 4x4 | 1.333 | 1.005 |" in out
+    assert out.count("Sec. 4.") >= 3 and "| 4 | 2x2 | 1.333 | 1.005 |" in out
+    assert "| 16 | 4x4 | 1.000 | 0.839 |" in out          # rounds (8k a rank): partials in the input dtype
     pb = Problem(131072, 8, 32, dtype_bytes=2)
     f_te, b_te = cm.comm_bytes("ring-te", pb)
     assert b_te == 2 * f_te and sum(cm.comm_bytes("ring", pb)) * 3 == 4 * (f_te + b_te)

@@ -138,6 +138,26 @@ def test_ring_rounds_match_fp64_reference(pools, algo, world, round_tokens, g):
         assert pools(world).run(_ring_rounds, algo, dtype, round_tokens) == [(True, g)] * world
 
 
+def _ring_rounds_batch_one(rank, world, algo, dtype, round_tokens):
+    """_ring_rounds at micro-batch 1, where a round's partials travel as views of the kernels' outputs."""
+    global BATCH
+    saved, BATCH = BATCH, 1
+    try:
+        return _ring_rounds(rank, world, algo, dtype, round_tokens)
+    finally:
+        BATCH = saved
+
+
+@pytest.mark.parametrize("algo", ["ring", "ring-te", "burst"])
+@pytest.mark.parametrize("world,round_tokens,g", [(5, 20, 2), (6, 30, 3)])
+def test_ring_rounds_at_batch_one_match_fp64_reference(pools, algo, world, round_tokens, g):
+    """Micro-batch 1 (long-context training's): each rank's rows of a call's dK, dV (burst: dQ) go home as views of
+    the call's output, a chunk no call met as zeros (ring.RoundPartials), fp32 against fp64 and bf16 against one
+    device, causal and not, MHA and GQA."""
+    for dtype in (torch.float32, torch.bfloat16):
+        assert pools(world).run(_ring_rounds_batch_one, algo, dtype, round_tokens) == [(True, g)] * world
+
+
 def test_round_size_thresholds():
     """Rounds only for short shards from ROUND_MIN_P ranks on, enough ranks for ROUND_TOKENS keys, at most P - 1; the
     issue-34 shapes on their measured sizes (128k over 16 / 32 / 64: rounds of 4 / 8 / 16; 1M over 64: none)."""

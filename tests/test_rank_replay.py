@@ -196,3 +196,88 @@ def test_allgather_computes_its_own_block_while_the_gather_runs(monkeypatch, P):
     for a, b in zip(starts, starts[1:] + [len(events)]):
         phase = [e for e in events[a:b] if e != "gather"]
         assert phase[0] == ("block_fwd" if a == 0 else "block_bwd") and "wait" in phase[1:], events
+
+
+def test_a_posted_batch_lands_in_one_copy_per_dtype(monkeypatch):
+    """A batch of receives of mixed dtypes (burst's Q, dO bf16 and D, lse fp32) is one multi-tensor copy a dtype, not
+    foreach's slow path of one copy a tensor; the bytes land where they belong. Red with the grouping removed."""
+    from megatron_cp_plugin.bench import _replay_comm
+    calls = []
+    real = torch._foreach_copy_
+    monkeypatch.setattr(torch, "_foreach_copy_", lambda o, s: (calls.append({t.dtype for t in o}), real(o, s))[1])
+    src = [torch.randn(3, 4).to(dt) for dt in (torch.bfloat16, torch.bfloat16, torch.float32, torch.float32)]
+    d = _replay_comm.ReplayDist(2, 0, source=list(src))
+    outs = [torch.zeros_like(t) for t in src]
+    ops = [d.P2POp(d.isend, t, 1) for t in src] + [d.P2POp(d.irecv, t, 1) for t in outs]
+    for w in d.batch_isend_irecv(ops):
+        w.wait()
+    assert sorted(len(c) for c in calls) == [1, 1] and len(calls) == 2, calls
+    assert all(torch.equal(a, b) for a, b in zip(outs, src)) and d.copies == 4
+
+
+def _needs_cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU: the replay's wire stream runs on GPUs only (scripts/gpu_tests.sh)")
+
+
+def test_a_posted_batch_runs_on_the_wire_stream_and_wait_orders_it():
+    """On a GPU a posted batch's copies run on the wire stream (behind a sleep there, the rank's stream reads the
+    buffer before they land) and its work's wait() makes the rank's stream wait for them (then it reads the bytes)."""
+    _needs_cuda()
+    from megatron_cp_plugin.bench import _replay_comm
+    src = torch.randn(1 << 20, device="cuda")
+    d = _replay_comm.ReplayDist(2, 0, source=[src])
+    d.delay_cycles = 200_000_000                            # ~0.1 s on the wire stream before the copy
+    out = torch.full_like(src, float("nan"))
+    (work,) = d.batch_isend_irecv([d.P2POp(d.isend, src, 1), d.P2POp(d.irecv, out, 1)])
+    early = out.clone()                                     # on the rank's stream, not waiting
+    work.wait()
+    late = out.clone()
+    assert torch.isnan(early).all(), "the copy ran on the rank's stream (or before the post returned)"
+    assert torch.equal(late, src), "wait() did not order the rank's stream after the wire's copy"
+
+
+@pytest.mark.parametrize("algo,grid", [("ring", None), ("burst", None), ("allgather", None),
+                                       ("attention2d-o", (2, 2)), ("attention2d-no", (2, 2))])
+def test_the_wire_stream_replays_the_same_bits_as_inline(algo, grid):
+    """A replay with its receives on the wire stream (each batch behind a sleep, so that a missing wait would read
+    a buffer before it lands) gives the inline replay's outputs and gradients bit for bit, at P = 4 and 8."""
+    _needs_cuda()
+    from megatron_cp_plugin.bench.rank_replay import _shards
+    for P in (4, 8):
+        if grid is not None and P == 8:
+            grid = (4, 2)
+        shards = _shards(64 * P, P, 4, 2, 64, torch.device("cuda"), torch.bfloat16)
+        inline = RankReplay(algo, P, P // 2 + 1, *shards, grid=grid, wire="inline")
+        inline()                                            # prepares (inline)
+        want = inline()
+        stream = RankReplay(algo, P, P // 2 + 1, *shards, grid=grid, source=inline.d.source)
+        stream.d.delay_cycles = 2_000_000
+        got = stream()
+        for name, x, y in zip(("o", "dq", "dk", "dv"), got, want):
+            assert torch.equal(x, y), f"{algo} P={P} {name}"
+        assert stream.d.copies == inline.d.copies
+
+
+def test_ring_rounds_send_partials_as_the_kernel_returns_them():
+    """In rounds (P = 8, short shards) every dK, dV partial is one kernel call's result: on a GPU the fused kernel's
+    bf16, so ring's replayed receives are ring-te's bytes; the CPU's math backend returns fp32, which ring sends and
+    ring-te rounds to bf16 (ring then copies 4/3 of ring-te's: its partials twice the bytes)."""
+    from megatron_cp_plugin.algos.ring import round_size
+    from megatron_cp_plugin.bench.rank_replay import _shards
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    P, S = 8, 8 * 64
+    assert round_size(P, S // P) > 1
+    shards = _shards(S, P, 4, 2, 64, dev, torch.bfloat16)
+    copied = {}
+    for algo in ("ring", "ring-te"):
+        rep = RankReplay(algo, P, 3, *shards)
+        rep()
+        rep()
+        copied[algo] = rep.d.copied_bytes
+    kv = 2 * (P - 1) * shards[1].numel() * 2                  # K, V once in the forward and once in the backward
+    assert copied["ring-te"] == 3 * kv, copied                  # K, V twice, the bf16 partials once
+    if dev.type == "cuda":
+        assert copied["ring"] == copied["ring-te"], copied
+    else:
+        assert copied["ring"] == 4 * kv, copied

@@ -7,15 +7,17 @@ behind, ending on their owner. The next step's send/recv is posted before the cu
 two overlap on GPU. Packed sequences (cu_seqlens): each step is the varlen calls of `_zigzag.zigzag_blocks`.
 Short shards (under ROUND_MAX_LOCAL, from ROUND_MIN_P ranks on) run in rounds (`round_size`): a rank meets the K, V of
 g ranks per round in at most three kernel calls, each rank sending its own K, V straight to the next g and each
-dK, dV partial straight to its owner; the same bytes, g times fewer calls.
+dK, dV partial straight to its owner; g times fewer calls, and each partial, one kernel call's result summed once at
+its owner, travels in the dtype the kernel returns (the input dtype from a GPU's fused kernels: ring = ring-te there).
 
 Bytes sent per rank and call (e = element size, n_kv = b * s_local * h_kv * d, acc = 4, or 8 for fp64):
   forward  (P - 1) * 2 * n_kv * e                       (K, V)
   backward (P - 1) * 2 * n_kv * (e + acc)               (K, V; dK, dV accumulated in fp32)
+           (P - 1) * 2 * n_kv * 2e                      in rounds (g > 1) with the fused kernels (math: fp32)
 The dK, dV accumulators are summed into at every hop, so they travel in fp32 (the wire-precision policy,
-docs/design.md). `ring-te` is the same ring with TransformerEngine's p2p byte budget, the baseline users
-compare against: the travelling dK, dV in the input dtype, rounded at every hop, backward
-(P - 1) * 2 * n_kv * 2e.
+docs/design.md); in rounds nothing is summed on the way, so they travel as the kernel returned them (RoundPartials).
+`ring-te` is the same ring with TransformerEngine's p2p byte budget, the baseline users compare against: the
+travelling dK, dV in the input dtype, rounded at every hop, backward (P - 1) * 2 * n_kv * 2e.
 """
 from __future__ import annotations
 
@@ -52,7 +54,7 @@ def round_size(P: int, s_local: int, packing=None) -> int:
     batch of messages, the next round's posted before this round's compute, as the ring posts its next hop): the
     bytes of the ring, in g-times fewer and larger kernel calls. The zigzag chunks of a round's ranks go in at
     most three calls, whatever g (`_round_calls`); the backward sends each dK, dV partial straight to its owner,
-    which sums them (fp32 on the wire, ring-te: the input dtype, as the travelling accumulators of the ring)."""
+    which sums them in fp32 (each partial travels as the kernel returned it: `_backward_rounds`)."""
     if packing is not None or P < ROUND_MIN_P or s_local >= ROUND_MAX_LOCAL:
         return 1
     return min(P - 1, -(-ROUND_TOKENS // max(1, s_local)))
@@ -75,16 +77,6 @@ def post_round(ex: Exchange, dists: list[int], mine: list) -> list:
     return bufs
 
 
-def post_home(ex: Exchange, dists: list[int], part: torch.Tensor) -> torch.Tensor:
-    """Send each round partial part[i] (computed here for the rank dists[i] behind) straight to its owner and receive
-    this rank's from the ranks dists ahead: the receive buffer [len(dists), ...], read after ex.wait()."""
-    P, r = ex.world, ex.rank
-    back = torch.empty_like(part)
-    ex.post([((r - d) % P, [part[i]]) for i, d in enumerate(dists)],
-            [((r + d) % P, [back[i]]) for i, d in enumerate(dists)])
-    return back
-
-
 def _round_calls(r: int, dists: list[int], s: int, causal: bool) -> list[tuple[slice, int, slice, str]]:
     """[(query rows, chunk part, round rows, mask)] of one round on rank r. A rank dists[i] behind is before r when
     dists[i] <= r (no wrap): every query row sees its first chunk; one after r shows both chunks to the second query
@@ -97,6 +89,68 @@ def _round_calls(r: int, dists: list[int], s: int, causal: bool) -> list[tuple[s
     if ne < m:
         calls += [(late, 0, slice(ne, m), "none"), (late, 1, slice(ne, m), "none")]
     return calls
+
+
+class RoundPartials:
+    """A round's partials for the m ranks it met, t tensors each (the ring's dK, dV; burst's dQ), of their chunks
+    `cuts` of shard shape `shard`. Every chunk's rows are one kernel call's result (the calls meet disjoint rows), so
+    a partial is summed once, at its owner (the wire-precision policy's one-hop rule), and travels in the dtype the
+    kernel returned it in: the input dtype from a GPU's fused kernels, which round once inside (fp32 would carry the
+    same values in twice the bytes, plus a cast pass: 3.8 ms of 29 at 128k P = 64 MHA on an H100, eleventh session's
+    profile); fp32 from the math backend, which `wire` (ring-te: the input dtype) then rounds. At micro-batch 1 a
+    rank's rows of a call's run are contiguous, so they are sent as views of the call's output (no copy; a chunk no
+    call met as zeros); at b > 1 they are copied into one buffer (`put_run_`)."""
+
+    def __init__(self, m: int, t: int, shard, cuts: list, wire=None):
+        self.m, self.t, self.shard, self.cuts, self.wire = m, t, tuple(shard), cuts, wire
+        self.views = shard[0] == 1
+        self.pieces = [[None] * (len(cuts) * t) for _ in range(m)]        # [row][c * t + j]
+        self.part = None
+
+    def put(self, sel: slice, c: int, grads) -> None:
+        """The t gradients [b, len(sel) n, ...] of a call whose keys (or queries) were the chunks c of rows sel."""
+        if self.views:
+            n = grads[0].shape[1] // (sel.stop - sel.start)
+            for u, x in enumerate(range(sel.start, sel.stop)):
+                for j, grad in enumerate(grads):
+                    self.pieces[x][c * self.t + j] = grad[:, u * n:(u + 1) * n]
+            return
+        if self.part is None:                  # the rows no call meets stay zero
+            self.part = grads[0].new_zeros((self.m, self.t) + self.shard)
+        for j, grad in enumerate(grads):
+            put_run_(self.part[sel, j][:, :, self.cuts[c]], grad)
+
+    def post_home(self, ex: Exchange, dists: list[int]) -> torch.Tensor:
+        """Send row i (for the rank dists[i] behind) straight to its owner, receive this rank's from the ranks dists
+        ahead: [m, t, *shard], read after ex.wait() (this object holds what it sends until then)."""
+        P, r = ex.world, ex.rank
+        if not self.views:
+            part = self.part if self.wire is None else self.part.to(self.wire)
+            back = torch.empty_like(part)
+            self._sent = part
+            ex.post([((r - d) % P, [part[i]]) for i, d in enumerate(dists)],
+                    [((r + d) % P, [back[i]]) for i, d in enumerate(dists)])
+            return back
+        like = next(p for row in self.pieces for p in row if p is not None)
+        dtype = self.wire or like.dtype
+        zeros = {}
+        sends = []
+        for i, d in enumerate(dists):
+            row = []
+            for c, cut in enumerate(self.cuts):
+                for j in range(self.t):
+                    p = self.pieces[i][c * self.t + j]
+                    if p is None:                                   # a chunk no call met: zeros, one per shape
+                        shape = (self.shard[0], len(range(*cut.indices(self.shard[1])))) + self.shard[2:]
+                        p = zeros.setdefault(shape, torch.zeros(shape, dtype=dtype, device=like.device))
+                    row.append(p.to(dtype))
+            sends.append(((r - d) % P, row))
+        back = torch.empty((self.m, self.t) + self.shard, dtype=dtype, device=like.device)
+        recvs = [((r + d) % P, [back[i, j][:, cut] for cut in self.cuts for j in range(self.t)])
+                 for i, d in enumerate(dists)]
+        self._sent = sends
+        ex.post(sends, recvs)
+        return back
 
 
 def n_before(r: int, dists: list[int]) -> int:
@@ -133,8 +187,9 @@ def _forward_rounds(group, q, k, v, *, causal, scale, backend, stats, g):
 
 
 def _backward_rounds(group, do, q, k, v, o, lse, *, causal, scale, backend, stats, g, wire):
-    """The ring's backward in rounds of g ranks: K, V as in _forward_rounds; each round's dK, dV partials (fp32, in
-    `wire` where given) go straight to their owners, who sum them in fp32 with their own."""
+    """The ring's backward in rounds of g ranks: K, V as in _forward_rounds; each round's dK, dV partials go straight
+    to their owners (`RoundPartials`: as the kernel returned them; ring-te's `wire` rounds the math backend's fp32),
+    who sum them in fp32 with their own."""
     ex_kv, ex_d = Exchange(group, "backward", stats), Exchange(group, "backward", stats)
     P, r, s = ex_kv.world, ex_kv.rank, q.shape[1]
     acc = acc_dtype(q.dtype)
@@ -143,31 +198,29 @@ def _backward_rounds(group, do, q, k, v, o, lse, *, causal, scale, backend, stat
     nxt = post_round(ex_kv, rounds[0], mine)
     dq, dk, dv = (t.to(acc) for t in block_bwd(do, q, k, v, o, lse, mask="causal" if causal else "none",
                                                 scale=scale, backend=backend))
-    back = None                                                 # our partials from the last round's holders
+    back = sent = None                                          # our partials from the last round's holders
     for i, dists in enumerate(rounds):
         ex_kv.wait()
         bufs = nxt
         if i + 1 < len(rounds):
             nxt = post_round(ex_kv, rounds[i + 1], mine)
-        # the calls write disjoint rows of the partials; only the second chunks of the ranks before r are not met
-        part = torch.empty((len(dists), 2) + tuple(k.shape), dtype=acc, device=k.device)
-        if causal:
-            part[:n_before(r, dists), :, :, cuts[1]].zero_()
+        # the calls meet disjoint rows of the partials; only the second chunks of the ranks before r are not met
+        part = RoundPartials(len(dists), 2, k.shape, cuts, wire)
         for qs, c, sel, mask in _round_calls(r, dists, s, causal):
             dq_b, dk_b, dv_b = block_bwd(do[:, qs], q[:, qs], chunk_run(bufs[2 * c], sel),
                                          chunk_run(bufs[2 * c + 1], sel), o[:, qs], lse[:, :, qs], mask=mask,
                                          scale=scale, backend=backend)
             dq[:, qs].add_(dq_b)
-            for j, grad in ((0, dk_b), (1, dv_b)):              # each source's rows of this call's keys
-                put_run_(part[sel, j][:, :, cuts[c]], grad)
+            part.put(sel, c, (dk_b, dv_b))                      # each source's rows of this call's keys
         if back is not None:
             ex_d.wait()
             dk += back[:, 0].sum(0, dtype=acc)
             dv += back[:, 1].sum(0, dtype=acc)
-        back = post_home(ex_d, dists, part if wire is None else part.to(wire))
+        back, sent = part.post_home(ex_d, dists), part          # `sent` holds the views until the wait
     ex_d.wait()
     dk += back[:, 0].sum(0, dtype=acc)
     dv += back[:, 1].sum(0, dtype=acc)
+    del sent
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 

@@ -6,7 +6,11 @@ algorithm's kernels, merges, casts and accumulations, and comm.py's own packing 
 receive buffers, `all_to_all`'s byte packing, `reduce_at_owner`'s casts and sum, `CPGrid`'s bookkeeping).
 
 `ReplayDist(world, rank)` plays every other rank: each receive is filled by an on-device copy of the bytes it
-would receive (a posted batch of them by one multi-tensor copy, as NCCL runs a batch as one grouped launch).
+would receive (a posted batch of them by one multi-tensor copy a dtype, as NCCL runs a batch as one grouped launch).
+On CUDA the copies of what the algorithm posts (a p2p batch, an asynchronous collective) run on a wire stream of
+their own, as NCCL's kernels do, and the algorithm's `wait()` makes its stream wait for them: the replay charges
+the rank the overlap the algorithm arranges (with a link infinitely fast: only the landing's memory traffic);
+`wire="inline"` puts them on the rank's stream, serial, as the replay did before the eleventh session.
 Its first run `prepare`s them: a receive gets a copy of what this rank sends in the same call (right shapes,
 dtypes and realistic values: the rank's own data; the first of each shape and dtype is kept and reused), the
 source of later runs. Given a `source` (e.g. what `Recorder` captured from a real run), it replays exactly
@@ -60,6 +64,18 @@ class _Done:
         return True
 
 
+class _Landed:
+    """A posted receive batch replayed on the wire stream: `wait()` makes the current stream wait for its copies,
+    as NCCL's work.wait() makes it wait for NCCL's stream."""
+
+    def __init__(self, event):
+        self.event = event
+
+    def wait(self):
+        torch.cuda.current_stream().wait_event(self.event)
+        return True
+
+
 def isend(*_a, **_k):     # P2POp markers only: comm.py posts every transfer through batch_isend_irecv
     raise AssertionError("replay: isend is only posted through batch_isend_irecv")
 
@@ -75,8 +91,14 @@ class ReplayDist:
 
     P2POp, isend, irecv = _P2POp, staticmethod(isend), staticmethod(irecv)
 
-    def __init__(self, world: int, rank: int, source: list | None = None, backend: str = "nccl"):
-        self.world, self.rank, self.backend = world, rank, backend
+    WIRES = ("stream", "inline")
+
+    def __init__(self, world: int, rank: int, source: list | None = None, backend: str = "nccl", wire: str = "stream"):
+        if wire not in self.WIRES:
+            raise ValueError(f"wire must be one of {self.WIRES}, got {wire!r}")
+        self.world, self.rank, self.backend, self.wire = world, rank, backend, wire
+        self._stream = None
+        self.delay_cycles = 0            # tests: a sleep on the wire stream before each batch (a missing wait shows)
         self.WORLD = FakeGroup(tuple(range(world)), rank)
         self.preparing = source is None
         self.source = [] if source is None else source
@@ -89,18 +111,52 @@ class ReplayDist:
         if self.preparing and self.source:
             self.preparing = False
 
-    def _fill_many(self, outs: list, echoes: list):
-        """One posted batch of receives. Replayed, they land in one multi-tensor copy (`torch._foreach_copy_`): a
-        batch of p2p messages is one grouped NCCL launch on its own stream in a real run, so one copy per tensor
-        (4 per source a ring round, 567 at 128k P = 64 in the ninth session's H100 profile, 5.3 ms of 31) put
-        launches on the rank's host time that the wire does not. Preparing (the first, untimed call) goes one by
-        one."""
-        if self.preparing or len(outs) < 2:
+    def _fill_many(self, outs: list, echoes: list, posted: bool = True):
+        """One batch of receives; returns its work. Replayed, they land in one multi-tensor copy
+        (`torch._foreach_copy_`) per dtype (a list of mixed dtypes takes foreach's slow path, one copy a tensor: burst's
+        (Q, dO, D, lse) batches were 504 memcpys at 128k P = 64, eleventh session's H100 profile): a batch of p2p
+        messages is one grouped NCCL launch in a real run, so one copy per tensor (4 per source a ring round, 567 at
+        128k P = 64 in the ninth session's H100 profile, 5.3 ms of 31) put launches on the rank's host time that the
+        wire does not. `posted` (p2p batches, asynchronous collectives): on the wire stream (module docstring).
+        Preparing (the first, untimed call) goes one by one, inline."""
+        if self.preparing:
             for out, echo in zip(outs, echoes, strict=True):
                 self._fill(out, echo)
-            return
+            return _Done()
         srcs = [self._next_source(out) for out in outs]
-        torch._foreach_copy_(outs, srcs)
+        stream = self._wire_stream(outs[0]) if posted else None
+        if stream is None:
+            self._copy_many(outs, srcs)
+            return _Done()
+        stream.wait_stream(torch.cuda.current_stream(outs[0].device))   # buffers free, as NCCL waits for the poster
+        with torch.cuda.stream(stream):
+            if self.delay_cycles:
+                torch.cuda._sleep(self.delay_cycles)
+            self._copy_many(outs, srcs)
+            event = torch.cuda.Event()
+            event.record(stream)
+        return _Landed(event)
+
+    @staticmethod
+    def _copy_many(outs, srcs):
+        by_dtype: dict = {}
+        for out, src in zip(outs, srcs, strict=True):
+            by_dtype.setdefault(out.dtype, ([], []))
+            by_dtype[out.dtype][0].append(out)
+            by_dtype[out.dtype][1].append(src)
+        for o, s in by_dtype.values():
+            if len(o) == 1:
+                o[0].copy_(s[0])
+            else:
+                torch._foreach_copy_(o, s)
+
+    def _wire_stream(self, out: torch.Tensor):
+        """The wire stream of `out`'s device (made once), or None: inline wire, or not CUDA."""
+        if self.wire != "stream" or not out.is_cuda:
+            return None
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(out.device)
+        return self._stream
 
     def _next_source(self, out: torch.Tensor) -> torch.Tensor:
         """The prepared bytes of the next receive (checked against `out`), counted."""
@@ -157,19 +213,19 @@ class ReplayDist:
         recvs = [o.tensor for o in ops if o.op is irecv]
         if len(sends) != len(recvs):                     # comm.Exchange: each receive shaped as its send
             raise AssertionError(f"replay: a batch of {len(sends)} sends and {len(recvs)} receives")
-        self._fill_many(recvs, sends)
-        return [_Done()]
+        return [self._fill_many(recvs, sends)]
 
     def all_to_all_single(self, out, inp, out_split_sizes=None, in_split_sizes=None, group=None, async_op=False):
-        self._fill(out, inp.view(out.shape))
-        return _Done() if async_op else None
+        work = self._fill_many([out], [inp.view(out.shape)], posted=async_op)
+        return work if async_op else None
 
     def all_gather(self, out, inp, group=None, async_op=False):
         g = out.numel() // inp.numel()
         # The echo (every member's x this rank's own) is a copy, read only while preparing: built only then, so that
         # a timed (or counted) call does what the real one does, one receive, and not a copy more.
-        self._fill(out, inp.reshape(1, -1).expand(g, -1).reshape(out.shape) if self.preparing else None)
-        return _Done() if async_op else None
+        echo = inp.reshape(1, -1).expand(g, -1).reshape(out.shape) if self.preparing else None
+        work = self._fill_many([out], [echo], posted=async_op)
+        return work if async_op else None
 
     def __getattr__(self, name):                     # constants and types (ReduceOp, ...) are the real ones
         return getattr(_dist, name)

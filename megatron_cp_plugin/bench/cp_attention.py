@@ -72,7 +72,7 @@ def attention_need(algo: str, S: int, P: int, *, h: int, hk: int, d: int, elem: 
                  head (2Q; the single-device rows measured exactly Q + L + G + ws)
       ring       K, V in hand and in flight (4K, forward and backward), fp32 o, merge cast (2Qa), dq (Qa), dK, dV:
                  own, in hand, arriving (6Ka); ring-te the same or less. In rounds of g ranks (ring.round_size):
-                 4gK in hand and in flight, fp32 dq, dk, dv and partials (Qa + 2Ka + 6gKa), a call's gradients
+                 4gK in hand and in flight, fp32 dq, dk, dv (Qa + 2Ka), partials (6gK), a call's gradients
                  over g ranks' keys twice (2(Q + 2gK)) and ws, and at b > 1 the copied chunks and keys
       burst      ring's forward; (Q, dO, D, lse) in hand and in flight (4Q + 5L; P = 2: 2Q), dQ own, in hand,
                  arriving (3Qa), dK, dV (2Ka), the surrogate O (Q, built through 3Qa of fp32 temporaries)
@@ -119,12 +119,12 @@ def attention_need(algo: str, S: int, P: int, *, h: int, hk: int, d: int, elem: 
     ring_f = (2 * Qa + 4 * g * K + 2 * Q if g > 1 else 2 * Qa + 4 * K + 2 * Q) + copies
     if algo in ("ring", "ring-te"):
         F = ring_f
-        B = (4 * g * K + Qa + 2 * Ka + 6 * g * Ka + 2 * (Q + 2 * g * K) + ws + copies if g > 1
+        B = (4 * g * K + Qa + 2 * Ka + 6 * g * K + 2 * (Q + 2 * g * K) + ws + copies if g > 1
              else Qa + 4 * K + 6 * Ka + blk)
     elif algo == "burst" and g > 1:        # rounds: as memory_terms.burst, and at b > 1 the chunk and run copies
         F = ring_f
         call = g * Q + 2 * g * L + 2 * (g * Q + 2 * K) + g * ws
-        B = (3 * L + 4 * g * (Q + L) + Qa + 2 * Ka + 3 * g * Qa + call + G
+        B = (3 * L + 4 * g * (Q + L) + Qa + 2 * Ka + 3 * g * Q + call + G
              + (2 * Q + 2 * g * Q if b > 1 else 0))
     elif algo == "burst":
         F = ring_f

@@ -5,9 +5,11 @@
 Each algorithm runs through its public function and its real autograd backward (algos/ring.py, burst.py,
 attention2d.py, attention2d_o.py) with torch.distributed swapped, under comm.py, for a ReplayDist
 (bench/_replay_comm.py): every receive is an on-device copy of the bytes that rank would receive (one
-multi-tensor copy a posted batch, as NCCL's one grouped launch), prepared by a
-first call. So the kernels, merges, casts, accumulator adds and comm.py's own packing measured are exactly
-those of that rank in a P-rank run; only the wire is gone. tests/test_rank_replay.py checks that a replay fed
+multi-tensor copy a posted batch, as NCCL's one grouped launch), prepared by a first call; on a GPU the copies of
+what the algorithm posts run on a stream of their own, as NCCL's kernels, waited for where the algorithm waits
+(--wire inline: on the rank's stream, serial, as before the eleventh session). So the kernels, merges, casts,
+accumulator adds and comm.py's own packing measured are exactly those of that rank in a P-rank run; only the wire
+is gone. tests/test_rank_replay.py checks that a replay fed
 with a real gloo run's receives gives that run's outputs and gradients bit for bit.
 
 Problems: causal, b = 1, bf16 (--dtype), every --seq-len with every --cp whose local length is at most
@@ -88,13 +90,13 @@ class RankReplay:
     """Rank `rank` of `algo` over P ranks (grid (R, C) for Attention2D) on local shards q, k, v, do.
     `source`: the receives to replay (None: prepared by the first call, echoing this rank's own sends)."""
 
-    def __init__(self, algo, P, rank, q, k, v, do, *, grid=None, backend=None, source=None):
+    def __init__(self, algo, P, rank, q, k, v, do, *, grid=None, backend=None, source=None, wire="stream"):
         if algo not in ALGOS:
             raise ValueError(f"algo must be one of {tuple(ALGOS)}, got {algo!r}")
         self.algo, self.fn, self.backend = algo, ALGOS[algo], backend
         self.q, self.k, self.v = (t.detach().requires_grad_() for t in (q, k, v))
         self.do, self.scale = do, q.shape[-1] ** -0.5
-        self.d = ReplayDist(P, rank, source, backend="nccl" if q.is_cuda else "gloo")
+        self.d = ReplayDist(P, rank, source, backend="nccl" if q.is_cuda else "gloo", wire=wire)
         with patched(self.d):
             self.group = comm.CPGrid(self.d.WORLD, *grid) if algo in GRID_ALGOS else self.d.WORLD
 
@@ -150,10 +152,10 @@ class OpCounter(TorchDispatchMode):
         fills = {n: getattr(replay.d, n) for n in ("_fill", "_fill_many")}
 
         def quiet(f):                                # the replayed receives stand for the wire: not counted
-            def call(*a):
+            def call(*a, **k):
                 self.paused += 1
                 try:
-                    f(*a)
+                    return f(*a, **k)
                 finally:
                     self.paused -= 1
             return call
@@ -353,11 +355,11 @@ def _configs(algos, P, grid_names):
             yield algo, g
 
 
-def slowest_rank(algo, P, grid, shards) -> int:
+def slowest_rank(algo, P, grid, shards, wire="stream") -> int:
     """The rank index whose one fwd+bwd (after a preparing call) takes longest."""
     times = []
     for r in range(P):
-        rep = RankReplay(algo, P, r, *shards, grid=grid)
+        rep = RankReplay(algo, P, r, *shards, grid=grid, wire=wire)
         rep()
         times.append(sum(timed(rep)))
     return max(range(P), key=times.__getitem__)
@@ -391,6 +393,9 @@ def main(argv=None):
     p.add_argument("--grids", nargs="+", default=["square", "rect"], help="Attention2D: square, rect or RxC")
     p.add_argument("--rank", type=int, default=None, help="replay this rank (default: the slowest, found by "
                    "running every rank once at the first length)")
+    p.add_argument("--wire", choices=ReplayDist.WIRES, default="stream", help="where the replayed receives run on a "
+                   "GPU: stream (their own, overlapped as the algorithm posts and waits, as NCCL's) or inline (the "
+                   "rank's stream, serial: the replay before the eleventh session)")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--budget-s", type=float, default=3.0, help="seconds of timed calls per row (at least one)")
     p.add_argument("--ideal-max-seq", type=int, default=262144,
@@ -417,7 +422,8 @@ def main(argv=None):
     start = time.perf_counter()
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
     header = (f"rank_replay: one rank's local work per algorithm, replayed on one {name} (communication replaced by "
-              f"on-device copies); b=1 d={d} causal {dtype}. {FLOP_FORMULA}. ideal = one-device fwd+bwd / P. "
+              f"on-device copies, wire {a.wire}); b=1 d={d} causal {dtype}. {FLOP_FORMULA}. "
+              "ideal = one-device fwd+bwd / P. "
               f"ops: aten ops that compute per fwd+bwd (each attention call counts once).")
     for hk in a.kv_heads:
         for S in sorted(a.seq_len):
@@ -458,8 +464,9 @@ def main(argv=None):
                         continue
                     del row["not_run"]
                     if key not in picked:
-                        picked[key] = [a.rank if a.rank is not None else slowest_rank(algo, P, grid, shards), None]
-                    rep = RankReplay(algo, P, picked[key][0], *shards, grid=grid)
+                        picked[key] = [a.rank if a.rank is not None else slowest_rank(algo, P, grid, shards, a.wire),
+                                       None]
+                    rep = RankReplay(algo, P, picked[key][0], *shards, grid=grid, wire=a.wire)
                     t0 = time.perf_counter()
                     rep()                                                 # prepares the receives
                     _sync(dev)

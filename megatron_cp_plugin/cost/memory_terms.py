@@ -123,13 +123,12 @@ def ring(sh: Shape) -> Terms:
     dk_acc, dkv_in), blk.
     In rounds of g ranks (ring.round_size > 1; micro-batch 1, where the chunks sent and a call's keys are views):
     a round's K, V in hand and the next one's in flight (4gK); backward the fp32 dq, dk, dv (Qa + 2Ka), this round's
-    fp32 partials and the last round's sent and arriving (6gKa; ring-te sends and receives them in the input
-    dtype, counted as fp32), and around a call over up to g ranks' keys the last call's gradients and its own
-    (2(Q + 2gK)) with ws."""
+    partials and the last round's sent and arriving (6gK: in the input dtype, ring._backward_rounds), and around a
+    call over up to g ranks' keys the last call's gradients and its own (2(Q + 2gK)) with ws."""
     g = round_size(sh.cp, sh.tokens)
     if g > 1:
         return Terms(0, 2 * sh.Qa + 4 * g * sh.K + sh.Q,
-                     4 * g * sh.K + sh.Qa + 2 * sh.Ka + 6 * g * sh.Ka + 2 * (sh.Q + 2 * g * sh.K) + sh.ws)
+                     4 * g * sh.K + sh.Qa + 2 * sh.Ka + 6 * g * sh.K + 2 * (sh.Q + 2 * g * sh.K) + sh.ws)
     return Terms(0, 2 * sh.Qa + 4 * sh.K + sh.Q, sh.Qa + 4 * sh.K + 6 * sh.Ka + sh.blk)
 
 
@@ -142,10 +141,10 @@ def burst(sh: Shape) -> Terms:
     if g > 1:
         # rounds: D and the copied D, lse chunks (3L); a round's (Q, dO, D, lse) in hand and the next in flight
         # (4g(Q + L)); fp32 dq, dk, dv (Qa + 2Ka); this round's dQ partials and the last one's sent and arriving
-        # (3g Qa); around a call over g ranks' query chunks: the surrogate O (gQ), the D, lse runs (2gL), the last
+        # (3g Q, in the input dtype: burst._backward_rounds); around a call over g ranks' query chunks: the surrogate O (gQ), the D, lse runs (2gL), the last
         # call's gradients and its own (2(gQ + 2K)) and the kernel's workspace (g ws); the returned G
         call = g * sh.Q + 2 * g * sh.L + 2 * (g * sh.Q + 2 * sh.K) + g * sh.ws
-        return Terms(0, ring(sh).forward, 3 * sh.L + 4 * g * (sh.Q + sh.L) + sh.Qa + 2 * sh.Ka + 3 * g * sh.Qa
+        return Terms(0, ring(sh).forward, 3 * sh.L + 4 * g * (sh.Q + sh.L) + sh.Qa + 2 * sh.Ka + 3 * g * sh.Q
                      + call + sh.G)
     travel = 4 * sh.Q + 4 * sh.L if sh.cp > 2 else 2 * sh.Q + 2 * sh.L
     return Terms(0, ring(sh).forward,

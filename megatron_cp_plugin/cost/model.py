@@ -30,6 +30,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..algos import registry
+from ..algos.ring import round_size
 from ..comm import attention2d_bytes, choose_grid, grid_rank, group_chunks, kv_moves, wire_bytes
 from . import compute as cost_compute
 from .hardware import (ADD_BYTES, ATTNFIX_BYTES, HARDWARE, MERGE_BYTES, Hardware, check_int, overlapped, pairs_link,
@@ -155,12 +156,16 @@ def ring_family_cost(algo: str, pb: Problem, hw: Hardware, rank: int | None = No
     # Backward: a travelling block posted before the step's compute, and a gradient accumulator sent after it
     # (waited one step later), which the last hop brings home after the loop.
     cb = B / P / hw.bwd_tflops
-    if algo == "ring":                  # K, V and dK, dV (fp32)
-        m_blk, m_acc = 2 * n_kv * e, 2 * n_kv * acc
+    # In rounds (ring.round_size > 1: short shards) every partial is summed once, at its owner, and travels as the
+    # kernel returned it: the input dtype from a GPU's fused kernels (ring.partial_like; the math backend's fp32 is
+    # not modelled); the timing below is the neighbour ring's.
+    g_acc = e if round_size(P, pb.seq_len // P) > 1 else acc
+    if algo == "ring":                  # K, V and dK, dV (fp32; the input dtype in rounds)
+        m_blk, m_acc = 2 * n_kv * e, 2 * n_kv * g_acc
     elif algo == "ring-te":             # TransformerEngine's budget: dK, dV in the input dtype
         m_blk, m_acc = 2 * n_kv * e, 2 * n_kv * e
-    else:                               # burst: Q, dO, D, lse and dQ (fp32); K, V stay
-        m_blk, m_acc = 2 * n_q * e + 2 * n_r * acc, n_q * acc
+    else:                               # burst: Q, dO, D, lse and dQ (fp32; the input dtype in rounds); K, V stay
+        m_blk, m_acc = 2 * n_q * e + 2 * n_r * acc, n_q * g_acc
     adds = (n_q + 2 * n_kv) * ADD_BYTES / hw.mem_bw     # both add a dQ and a dK, dV block per step
     comp = [cb + adds] * P
     comm = [link.t(m_blk + (m_acc if i >= 2 else 0), 2 if i >= 2 else 1) for i in range(P - 1)]
