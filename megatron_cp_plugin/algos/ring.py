@@ -142,7 +142,9 @@ class RoundPartials:
                     p = self.pieces[i][c * self.t + j]
                     if p is None:                                   # a chunk no call met: zeros, one per shape
                         shape = (self.shard[0], len(range(*cut.indices(self.shard[1])))) + self.shard[2:]
-                        p = zeros.setdefault(shape, torch.zeros(shape, dtype=dtype, device=like.device))
+                        if shape not in zeros:
+                            zeros[shape] = torch.zeros(shape, dtype=dtype, device=like.device)
+                        p = zeros[shape]
                     row.append(p.to(dtype))
             sends.append(((r - d) % P, row))
         back = torch.empty((self.m, self.t) + self.shard, dtype=dtype, device=like.device)
