@@ -12,12 +12,11 @@ Causal balance: the paper's Table 1 has none; here shards are zigzag, so every s
 (`_zigzag.py`) on every rank; packed sequences run the varlen calls of `_zigzag.zigzag_blocks`.
 Short shards run in rounds (`ring.round_size`): the forward's as the ring's; in the backward each rank sends its
 (Q, dO, D, lse) straight to the next g ranks and each dQ partial straight to its owner, at most three calls a round;
-a dQ partial there is one kernel call's result summed once, at its owner, so it travels as the kernel returned it.
+a dQ partial there is one kernel call's result, summed at its owner in fp32 (rule 3 of the wire-precision policy).
 
 Bytes sent per rank and call (e = element size, n_q = b * s_local * h * d, acc = 4, or 8 for fp64):
   forward  (P - 1) * 2 * n_kv * e                                   (K, V; as ring)
   backward (P - 1) * (n_q * (2 * e + acc) + 2 * b * h * s_local * acc)   (Q, dO; dQ; D, lse)
-           (P - 1) * (n_q * 3 * e + 2 * b * h * s_local * acc)         in rounds (g > 1), fused kernels (math: fp32 dQ)
 For MHA in fp32 that is 3/4 of ring's backward plus the small D, lse (2/3 in bf16, where both send their
 gradient accumulators in fp32). With GQA (h_kv < h) ring sends less: its K, V are h/h_kv times smaller than Q.
 """
@@ -54,9 +53,9 @@ def _round_calls(r: int, dists: list[int], causal: bool) -> list[tuple[int, slic
 def _backward_rounds(group, do, q, k, v, o, lse, *, causal, scale, backend, stats, g):
     """Alg. 2 in rounds of g ranks (ring.round_size): each rank sends its own (Q, dO, D, lse), chunk by chunk, straight
     to the next g ranks; a round's query chunks meet this rank's K, V in at most three calls; each round's dQ partials
-    go straight to their owners, who sum them in fp32 with their own. A partial's every row is one call's result (the
-    calls meet disjoint rows): it travels in the dtype the kernel returned (the input dtype from a GPU's fused
-    kernels), as the ring's rounds send their dK, dV (ring.RoundPartials)."""
+    go straight to their owners, who sum them with their own. A partial's every row is one call's result (the calls
+    meet disjoint rows); it travels in fp32 (docs/design.md, wire precision rule 3: a dQ partial over some keys can
+    be larger than dQ; ring.RoundPartials)."""
     ex_q, ex_dq = Exchange(group, "backward", stats), Exchange(group, "backward", stats)
     P, r, s = ex_q.world, ex_q.rank, q.shape[1]
     acc = acc_dtype(q.dtype)
@@ -78,7 +77,7 @@ def _backward_rounds(group, do, q, k, v, o, lse, *, causal, scale, backend, stat
         if i + 1 < len(rounds):
             nxt = post_round(ex_q, rounds[i + 1], mine)
         # the calls write disjoint rows; only the first query chunks of the ranks before r meet none of r's keys
-        part = RoundPartials(len(dists), 1, q.shape, cuts)
+        part = RoundPartials(len(dists), 1, q.shape, cuts, acc)
         for c, sel, all_keys in _round_calls(r, dists, causal):
             q_j, do_j, delta_j, lse_j = bufs[4 * c:4 * c + 4]
             ks = ALL if all_keys else cuts[0]

@@ -8,14 +8,14 @@ two overlap on GPU. Packed sequences (cu_seqlens): each step is the varlen calls
 Short shards (under ROUND_MAX_LOCAL, from ROUND_MIN_P ranks on) run in rounds (`round_size`): a rank meets the K, V of
 g ranks per round in at most three kernel calls, each rank sending its own K, V straight to the next g and each
 dK, dV partial straight to its owner; g times fewer calls, and each partial, one kernel call's result summed once at
-its owner, travels in the dtype the kernel returns (the input dtype from a GPU's fused kernels: ring = ring-te there).
+its owner, travels in the input dtype (the one-hop rule; what a GPU's fused kernels return): ring = ring-te there.
 
 Bytes sent per rank and call (e = element size, n_kv = b * s_local * h_kv * d, acc = 4, or 8 for fp64):
   forward  (P - 1) * 2 * n_kv * e                       (K, V)
   backward (P - 1) * 2 * n_kv * (e + acc)               (K, V; dK, dV accumulated in fp32)
-           (P - 1) * 2 * n_kv * 2e                      in rounds (g > 1) with the fused kernels (math: fp32)
+           (P - 1) * 2 * n_kv * 2e                      in rounds (g > 1)
 The dK, dV accumulators are summed into at every hop, so they travel in fp32 (the wire-precision policy,
-docs/design.md); in rounds nothing is summed on the way, so they travel as the kernel returned them (RoundPartials).
+docs/design.md); in rounds nothing is summed on the way, so they travel in the input dtype (RoundPartials).
 `ring-te` is the same ring with TransformerEngine's p2p byte budget, the baseline users compare against: the
 travelling dK, dV in the input dtype, rounded at every hop, backward (P - 1) * 2 * n_kv * 2e.
 """
@@ -54,7 +54,7 @@ def round_size(P: int, s_local: int, packing=None) -> int:
     batch of messages, the next round's posted before this round's compute, as the ring posts its next hop): the
     bytes of the ring, in g-times fewer and larger kernel calls. The zigzag chunks of a round's ranks go in at
     most three calls, whatever g (`_round_calls`); the backward sends each dK, dV partial straight to its owner,
-    which sums them in fp32 (each partial travels as the kernel returned it: `_backward_rounds`)."""
+    which sums them in fp32 (each partial travels in the input dtype: `RoundPartials`)."""
     if packing is not None or P < ROUND_MIN_P or s_local >= ROUND_MAX_LOCAL:
         return 1
     return min(P - 1, -(-ROUND_TOKENS // max(1, s_local)))
@@ -94,29 +94,35 @@ def _round_calls(r: int, dists: list[int], s: int, causal: bool) -> list[tuple[s
 class RoundPartials:
     """A round's partials for the m ranks it met, t tensors each (the ring's dK, dV; burst's dQ), of their chunks
     `cuts` of shard shape `shard`. Every chunk's rows are one kernel call's result (the calls meet disjoint rows), so
-    a partial is summed once, at its owner (the wire-precision policy's one-hop rule), and travels in the dtype the
-    kernel returned it in: the input dtype from a GPU's fused kernels, which round once inside (fp32 would carry the
-    same values in twice the bytes, plus a cast pass: 3.8 ms of 29 at 128k P = 64 MHA on an H100, eleventh session's
-    profile); fp32 from the math backend, which `wire` (ring-te: the input dtype) then rounds. At micro-batch 1 a
-    rank's rows of a call's run are contiguous, so they are sent as views of the call's output (no copy; a chunk no
-    call met as zeros); at b > 1 they are copied into one buffer (`put_run_`)."""
+    a partial is summed once, at its owner, and travels in `dtype`: dK, dV in the input dtype (the wire-precision
+    policy's one-hop rule, as Attention2D's dK, dV partials), dQ in fp32 (rule 3). A GPU's fused kernels return
+    dK, dV in the input dtype, rounded once inside (fp32 would carry the same values in twice the bytes, plus a cast
+    pass: 3.8 ms of 29 at 128k P = 64 MHA on an H100, eleventh session's profile); the math backend's fp32 is
+    rounded to it once. At micro-batch 1 a rank's rows of a call's run are contiguous, so they are sent as views of
+    the call's output (no copy; a chunk no call met as zeros); at b > 1, or in another dtype than the kernel's
+    (burst's dQ: fp32, rule 3), they are copied into one buffer (`put_run_`)."""
 
-    def __init__(self, m: int, t: int, shard, cuts: list, wire=None):
-        self.m, self.t, self.shard, self.cuts, self.wire = m, t, tuple(shard), cuts, wire
+    def __init__(self, m: int, t: int, shard, cuts: list, dtype):
+        self.m, self.t, self.shard, self.cuts, self.dtype = m, t, tuple(shard), cuts, dtype
         self.views = shard[0] == 1
         self.pieces = [[None] * (len(cuts) * t) for _ in range(m)]        # [row][c * t + j]
         self.part = None
+        self.met = [set() for _ in cuts]                                  # rows of chunk c that a call met
 
     def put(self, sel: slice, c: int, grads) -> None:
         """The t gradients [b, len(sel) n, ...] of a call whose keys (or queries) were the chunks c of rows sel."""
+        first = self.part is None and all(p is None for row in self.pieces for p in row)
+        if first and grads[0].dtype != self.dtype:          # a cast either way: one buffer, one copy a call
+            self.views = False
         if self.views:
             n = grads[0].shape[1] // (sel.stop - sel.start)
             for u, x in enumerate(range(sel.start, sel.stop)):
                 for j, grad in enumerate(grads):
                     self.pieces[x][c * self.t + j] = grad[:, u * n:(u + 1) * n]
             return
-        if self.part is None:                  # the rows no call meets stay zero
-            self.part = grads[0].new_zeros((self.m, self.t) + self.shard)
+        if self.part is None:
+            self.part = grads[0].new_empty((self.m, self.t) + self.shard, dtype=self.dtype)
+        self.met[c].update(range(sel.start, sel.stop))
         for j, grad in enumerate(grads):
             put_run_(self.part[sel, j][:, :, self.cuts[c]], grad)
 
@@ -125,14 +131,23 @@ class RoundPartials:
         ahead: [m, t, *shard], read after ex.wait() (this object holds what it sends until then)."""
         P, r = ex.world, ex.rank
         if not self.views:
-            part = self.part if self.wire is None else self.part.to(self.wire)
+            part = self.part
+            for c, cut in enumerate(self.cuts):                 # only the rows no call met are zeroed, run by run
+                x = 0
+                while x < self.m:
+                    if x in self.met[c]:
+                        x += 1
+                        continue
+                    end = next((y for y in range(x, self.m) if y in self.met[c]), self.m)
+                    part[x:end, :, :, cut].zero_()
+                    x = end
             back = torch.empty_like(part)
             self._sent = part
             ex.post([((r - d) % P, [part[i]]) for i, d in enumerate(dists)],
                     [((r + d) % P, [back[i]]) for i, d in enumerate(dists)])
             return back
         like = next(p for row in self.pieces for p in row if p is not None)
-        dtype = self.wire or like.dtype
+        dtype = self.dtype
         zeros = {}
         sends = []
         for i, d in enumerate(dists):
@@ -188,10 +203,10 @@ def _forward_rounds(group, q, k, v, *, causal, scale, backend, stats, g):
     return o.to(q.dtype), lse
 
 
-def _backward_rounds(group, do, q, k, v, o, lse, *, causal, scale, backend, stats, g, wire):
+def _backward_rounds(group, do, q, k, v, o, lse, *, causal, scale, backend, stats, g):
     """The ring's backward in rounds of g ranks: K, V as in _forward_rounds; each round's dK, dV partials go straight
-    to their owners (`RoundPartials`: as the kernel returned them; ring-te's `wire` rounds the math backend's fp32),
-    who sum them in fp32 with their own."""
+    to their owners (`RoundPartials`: in the input dtype, so ring and ring-te are one algorithm here), who sum them
+    in fp32 with their own."""
     ex_kv, ex_d = Exchange(group, "backward", stats), Exchange(group, "backward", stats)
     P, r, s = ex_kv.world, ex_kv.rank, q.shape[1]
     acc = acc_dtype(q.dtype)
@@ -207,7 +222,7 @@ def _backward_rounds(group, do, q, k, v, o, lse, *, causal, scale, backend, stat
         if i + 1 < len(rounds):
             nxt = post_round(ex_kv, rounds[i + 1], mine)
         # the calls meet disjoint rows of the partials; only the second chunks of the ranks before r are not met
-        part = RoundPartials(len(dists), 2, k.shape, cuts, wire)
+        part = RoundPartials(len(dists), 2, k.shape, cuts, k.dtype)
         for qs, c, sel, mask in _round_calls(r, dists, s, causal):
             dq_b, dk_b, dv_b = block_bwd(do[:, qs], q[:, qs], chunk_run(bufs[2 * c], sel),
                                          chunk_run(bufs[2 * c + 1], sel), o[:, qs], lse[:, :, qs], mask=mask,
@@ -262,7 +277,7 @@ def _backward(group, do, q, k, v, o, lse, *, causal, scale, backend, stats=None,
     g = round_size(group_size(group), q.shape[1], packing)
     if g > 1:
         return _backward_rounds(group, do, q, k, v, o, lse, causal=causal, scale=scale, backend=backend, stats=stats,
-                                g=g, wire=wire)
+                                g=g)
     ring_kv, ring_dkv = Ring(group, "backward", stats), Ring(group, "backward", stats)
     P, r, s = ring_kv.world, ring_kv.rank, q.shape[1]
     acc = acc_dtype(q.dtype)
