@@ -146,8 +146,7 @@ class RoundPartials:
             ex.post([((r - d) % P, [part[i]]) for i, d in enumerate(dists)],
                     [((r + d) % P, [back[i]]) for i, d in enumerate(dists)])
             return back
-        like = next(p for row in self.pieces for p in row if p is not None)
-        dtype = self.dtype
+        like = next(p for row in self.pieces for p in row if p is not None)     # views: in self.dtype already
         zeros = {}
         sends = []
         for i, d in enumerate(dists):
@@ -158,11 +157,11 @@ class RoundPartials:
                     if p is None:                                   # a chunk no call met: zeros, one per shape
                         shape = (self.shard[0], len(range(*cut.indices(self.shard[1])))) + self.shard[2:]
                         if shape not in zeros:
-                            zeros[shape] = torch.zeros(shape, dtype=dtype, device=like.device)
+                            zeros[shape] = torch.zeros(shape, dtype=self.dtype, device=like.device)
                         p = zeros[shape]
-                    row.append(p.to(dtype))
+                    row.append(p)
             sends.append(((r - d) % P, row))
-        back = torch.empty((self.m, self.t) + self.shard, dtype=dtype, device=like.device)
+        back = torch.empty((self.m, self.t) + self.shard, dtype=self.dtype, device=like.device)
         recvs = [((r + d) % P, [back[i, j][:, cut] for cut in self.cuts for j in range(self.t)])
                  for i, d in enumerate(dists)]
         self._sent = sends

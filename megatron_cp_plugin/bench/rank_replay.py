@@ -138,10 +138,12 @@ class OpCounter(TorchDispatchMode):
         tables = [local_attn._FWD, local_attn._BWD, local_attn._VARLEN_FWD, local_attn._VARLEN_BWD]
         saved = [dict(t) for t in tables]
 
-        def wrap(f, attn=True):
+        def wrap(f, attn=True, count=True):
+            """f counted as one op (an attention call if attn), its insides not; count=False: not at all (the
+            replayed receives stand for the wire)."""
             def call(*a, **k):
-                self.attn += attn
-                self.ops += 1
+                self.attn += attn and count
+                self.ops += count
                 self.paused += 1
                 try:
                     return f(*a, **k)
@@ -151,21 +153,12 @@ class OpCounter(TorchDispatchMode):
 
         fills = {n: getattr(replay.d, n) for n in ("_fill", "_fill_many")}
 
-        def quiet(f):                                # the replayed receives stand for the wire: not counted
-            def call(*a, **k):
-                self.paused += 1
-                try:
-                    return f(*a, **k)
-                finally:
-                    self.paused -= 1
-            return call
-
         for t in tables:
             t.update({n: wrap(f) for n, f in t.items()})
         launch = kernels_launch.launch
         kernels_launch.launch = wrap(launch, attn=False)
         for n, f in fills.items():
-            setattr(replay.d, n, quiet(f))
+            setattr(replay.d, n, wrap(f, count=False))
         try:
             with self:
                 yield self
