@@ -9,7 +9,9 @@
 #      is filled with random K, V instead of a prefill (a 512k prefill takes minutes; a step reads the same bytes).
 #      A configuration that does not fit in memory is a row saying so ("not run: needs X GiB of Y GiB free").
 #      PDL=both (default; on, off): each graphed row again without programmatic dependent launch ('graph-nopdl').
-#   B. megatron-cp-generate, fp32, a 4k prompt, 32 greedy tokens, graphed: CP = 2 tokens equal CP = 1 tokens.
+#      A_ARGS: more flags for A, e.g. "--variants peer --mlp whole split" (the MLPs split over the CP ranks or not).
+#   B. megatron-cp-generate, fp32, a 4k prompt, 32 greedy tokens, graphed: CP = 2 tokens (MLPs split, the default)
+#      equal CP = 1 tokens.
 #   C. megatron-cp-generate at a 128k prompt (bf16, real prefill, graphed), tree then ring: prefill time,
 #      per-token latency, tokens/s and the floor as a user sees them.
 # A token comparison (A's graph == eager, B) passes only if the tokens also vary (at least 16 distinct of 32,
@@ -30,7 +32,8 @@ prompt 4096; prompt 131072
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader >> "$OUT/summary.txt" 2>&1
 
 step A 280 torchrun --nproc-per-node 2 -m megatron_cp_plugin.bench.decode --model --context 131072 524288 \
-  --batch 1 8 --tokens 32 --check-context 16384 --eager-context 131072 --pdl "${PDL:-both}" --out "$OUT/decode_model"
+  --batch 1 8 --tokens 32 --check-context 16384 --eager-context 131072 --pdl "${PDL:-both}" ${A_ARGS:-} \
+  --out "$OUT/decode_model"
 for n in 1 2; do
   step "B_cp$n" 70 torchrun --nproc-per-node $n -m megatron_cp_plugin.inference.cli $M --prompt-file /tmp/prompt_4096.txt \
     --max-new-tokens 32 --context-parallel-algo ring --decode-mode graph --result-json "$OUT/cp$n.json"
@@ -68,15 +71,16 @@ else:
         failed |= not chk.get("ok")
         print(f"A. {chk['what']} after a {chk['context']}-token prefill, {chk['distinct']} distinct of "
               f"{len(chk['tokens_eager'])}: {'PASS' if chk.get('ok') else 'FAIL: ' + chk.get('why', '')}")
-    print("\n| context | batch | decoder | mode | variant | ms/token | tokens/s | floor ms | x floor |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n| context | batch | decoder | mode | variant | mlp | ms/token | tokens/s | floor ms | x floor |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if r["what"].startswith("latency"):
             if "ms_per_token" not in r:
                 print(f"| {r['context']} | {r['batch']} | {r['decoder']} | {r['mode']} | "
-                      f"{r.get('not_run') or r.get('error')} |||||")
+                      f"{r.get('not_run') or r.get('error')} ||||||")
             else:
                 print(f"| {r['context']} | {r['batch']} | {r['decoder']} | {r['mode']} | {r['variant']} | "
+                      f"{r.get('mlp')} | "
                       f"{r['ms_per_token']:.2f} | {r['tokens_per_s']:.1f} | {r['floor_ms']:.2f} | {r['x_floor']:.2f} |")
     lat = {(r["context"], r["batch"], r["decoder"], r["mode"]): r for r in rows
            if r["what"].startswith("latency") and "ms_per_token" in r}

@@ -74,6 +74,14 @@ def test_the_peer_variant_is_a_candidate_only_where_asked_and_within_a_node():
     assert peer["exchange"] < ag["exchange"] and peer["gaps"] < ag["gaps"] and peer["floor"] == ag["floor"]
     with pytest.raises(ValueError, match="method"):
         cm.decode_step_time(m, 131072, 2, hw, method="ring-decode")
+    # The MLPs split over the ranks: each reads 7.5 GB / P less of the 8B shape's weights, at one reduce a layer.
+    split = cm.decode_step_time(m, 131072, 2, hw, method=cm.PEER_METHOD, mlp="split")
+    assert m.mlp_bytes() == 32 * (2 * 14336 * 4096 + 14336) * 2
+    assert split["floor"] == pytest.approx(peer["floor"] - m.mlp_bytes() / 2 / hw.mem_bw)
+    assert split["exchange"] > peer["exchange"] and split["total"] < peer["total"] - 0.5e-3
+    assert cm.decode_step_time(m, 131072, 1, hw, mlp="split") == cm.decode_step_time(m, 131072, 1, hw)
+    with pytest.raises(ValueError, match="mlp must be"):
+        cm.decode_step_time(m, 131072, 2, hw, mlp="half")
 
 
 def test_decode_step_model_against_the_measured_steps():

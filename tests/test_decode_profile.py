@@ -170,10 +170,11 @@ def test_cpu_profile_of_a_tiny_model_accounts_for_every_part_of_the_step(pools, 
         assert by["rope_append"]["n"] >= 2 and by["attention"]["n"] >= 2 and by["gemm"]["us"] > 0
         assert (by["exchange"]["n"] > 0) == (world > 1) and (by["exchange"]["must_read_MB"] > 0) == (world > 1)
         # Bytes: the linear layers' weights and biases (fp32: qkv 64 -> (4 + 2 x 2) x 64, proj 4 x 64 -> 64, fc1,
-        # fc2, the output layer), this rank's KV shard (2 layers, K and V, 2 KV heads, d 64, fp32: 2 KiB a token)
-        # of ceil((128 + 3 warm-up + 1) / P) tokens, fp32 logits of 257 tokens.
+        # fc2, the output layer; at P > 1 a rank's share of the split MLPs: fc1's weight and bias, fc2's weight), this
+        # rank's KV shard (2 layers, K and V, 2 KV heads, d 64, fp32: 2 KiB a token) of ceil((128 + 3 warm-up + 1) /
+        # P) tokens, fp32 logits of 257 tokens.
         qkv, proj, fc1, fc2 = 64 * 512 + 512, 256 * 64 + 64, 64 * 128 + 128, 128 * 64 + 64
-        linear = (2 * (qkv + proj + fc1 + fc2) + 257 * 64) * 4
+        linear = (2 * (qkv + proj + (fc1 + fc2 - 64) / world + 64) + 257 * 64) * 4
         assert by["gemm"]["must_read_MB"] * 1e6 == pytest.approx(linear)
         assert by["attention"]["must_read_MB"] * 1e6 == pytest.approx(-(-132 // world) * 2048)
         assert by["sampling"]["must_read_MB"] * 1e6 == 257 * 4 and by["copy"]["must_read_MB"] == ""

@@ -47,6 +47,32 @@ def test_gemv_is_the_fp32_definition(rows, dtype, bias, gelu, res):
     assert ((G.gemv_reference(x, w, b, gelu=gelu, residual=r).double() - exact).abs() <= tol).all()
 
 
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("parts", [2, 3])
+def test_gemv_of_column_slices_into_fp32_buffers_sums_to_the_whole(rows, parts):
+    """The split MLP's fc2 (inference/split_mlp.py): each rank multiplies its slice of the columns (strided rows, no
+    copy) into an fp32 buffer; the partials sum to the whole product within fp32 accumulation, and the kernel reads
+    the strided rows (a weight row stride taken as K gives other values: red)."""
+    if not available(DEV):
+        pytest.skip("SKIPPED LOUDLY: triton not installed")
+    g = torch.Generator().manual_seed(rows * 10 + parts)
+    n, k = 50, 2100 * parts
+    x = torch.randn(rows, k, generator=g).to(DEV, torch.bfloat16)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(DEV, torch.bfloat16)
+    total = torch.zeros(rows, n, dtype=torch.float64, device=DEV)
+    for p in range(parts):
+        cols = slice(p * k // parts, (p + 1) * k // parts)
+        out = torch.full((rows, n), float("nan"), device=DEV)
+        assert G.gemv(x[:, cols], w[:, cols], out=out, backend="triton") is out and not w[:, cols].is_contiguous()
+        exact = _exact(x[:, cols], w[:, cols], None, False)
+        assert ((out.double() - exact).abs() <= _tolerance(x[:, cols], w[:, cols], exact, torch.float32)).all()
+        total += out.double()
+    exact = _exact(x, w, None, False)
+    assert ((total - exact).abs() <= _tolerance(x, w, exact, torch.float32)).all()
+    with pytest.raises(ValueError, match=r"out must be a contiguous \(5, 50\)"):
+        G.gemv(torch.zeros(5, k, dtype=torch.bfloat16, device=DEV), w, out=torch.zeros(5, 51, device=DEV))
+
+
 def test_gemv_takes_the_reference_where_the_kernel_cannot():
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(8, 32, generator=g, dtype=torch.float64), torch.randn(8, generator=g, dtype=torch.float64)

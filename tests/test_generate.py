@@ -18,8 +18,9 @@ def _varied(tokens):
     return tokens
 
 
-def _tiny_model(world, algo):
-    """(model, cp_group, cp config, prompt [2, L]) of the tiny GPT every generation test decodes with."""
+def _tiny_model(world, algo, gated=False):
+    """(model, cp_group, cp config, prompt [2, L]) of the tiny GPT every generation test decodes with (gated: its
+    MLPs a SwiGLU, fc1 [gate; up] with a bias)."""
     import warnings
     warnings.filterwarnings("ignore")
     from megatron.core import parallel_state as ps
@@ -35,8 +36,16 @@ def _tiny_model(world, algo):
     # fp64: greedy decoding compares argmaxes, and in fp32 a near-tie flipped one token of 64 on CI's CPU
     # (ring decode at P = 3 merges in another order than CP = 1); fp64 leaves no such near-ties. Q, K scaled
     # (the token-check model): Megatron's init attends almost uniformly here, and its greedy tokens repeat.
-    model = vary_greedy_tokens_(build_gpt(tiny_config(cp_size=world, dtype=torch.float64), cp, vocab_size=VOCAB,
-                                          seq_length=L + NEW, cp_group=cp_group))
+    cfg = tiny_config(cp_size=world, dtype=torch.float64)
+    if gated:
+        cfg.gated_linear_unit, cfg.activation_func = True, torch.nn.functional.silu
+    model = vary_greedy_tokens_(build_gpt(cfg, cp, vocab_size=VOCAB, seq_length=L + NEW, cp_group=cp_group))
+    if gated:                      # Megatron's biases start at zero (fc2's stays: a fixed output vector fixes tokens)
+        g = torch.Generator().manual_seed(11)
+        with torch.no_grad():
+            for mlp in (layer.mlp for layer in model.decoder.layers):
+                mlp.linear_fc1.bias.copy_(0.3 * torch.randn(mlp.linear_fc1.bias.shape, generator=g,
+                                                            dtype=torch.float64))
     prompt = torch.randint(0, VOCAB, (2, L), generator=torch.Generator().manual_seed(3))
     return model, cp_group, cp, prompt
 
@@ -95,12 +104,20 @@ def test_ring_decode_baseline_gives_the_same_tokens(pools, reference, world):
 
 
 # ------------------------------------------------------------------------------ the static (graphable) decode step
-def _static(rank, world, algo, temperature=0.0, prompt_len=L, decoder="tree", variant=None, capacity_slack=0):
+def _static(rank, world, algo, temperature=0.0, prompt_len=L, decoder="tree", variant=None, capacity_slack=0,
+            mlp=None, gated=False):
     from megatron_cp_plugin.inference.static import StaticDecoder
-    model, cp_group, cp, prompt = _tiny_model(world, algo)
+    model, cp_group, cp, prompt = _tiny_model(world, algo, gated)
     prompt = prompt[:, :prompt_len]
     dec = StaticDecoder(model, cp_group, batch=2, capacity=-(-(prompt_len + NEW) // world) + capacity_slack,
-                        decoder=decoder, variant=variant, graphed=False, temperature=temperature, top_p=0.9, seed=5)
+                        decoder=decoder, variant=variant, graphed=False, temperature=temperature, top_p=0.9, seed=5,
+                        mlp=mlp)
+    # Unless told, P > 1 splits every MLP: this rank's fc1 rows and fc2 columns, ffn / P of them (a gated fc1 both
+    # halves' share), views of the model's weights except a gated fc1.
+    assert dec.mlp == (mlp or ("split" if world > 1 else "whole"))
+    ffn = model.decoder.layers[0].mlp.linear_fc2.weight.shape[1]
+    for w1, w2 in zip(dec.split.fc1_weight, dec.split.fc2_weight) if dec.split else ():
+        assert w2.shape[1] in (ffn // world, -(-ffn // world)) and w1.shape[0] == (2 if gated else 1) * w2.shape[1]
     out = dec.generate(prompt, max_new_tokens=NEW, algo=algo)
     # The cache holds this rank's round-robin share only, at the fill the step advanced on the device.
     assert int(dec.cache.fill) == dec.fill_host and dec.position_host == prompt_len + NEW - 1
@@ -118,6 +135,20 @@ def test_static_step_eager_gives_the_existing_paths_tokens(pools, reference, wor
     assert all(tokens == reference for tokens, _ in res)
     fills = sorted(f for _, f in res)
     assert sum(fills) == L + NEW - 1 and fills[-1] - fills[0] <= 1
+
+
+@pytest.mark.parametrize("world", (2, 3))
+def test_static_step_split_mlp_gives_the_whole_mlps_tokens(pools, world):
+    """Each MLP split over the CP ranks (fc1 rows, fc2 columns, the fp32 partials summed on every rank, bias and
+    residual added once; 3 ranks: an uneven split of ffn 128): the CP = 1 tokens, for a plain-GELU MLP and a
+    SwiGLU one whose fc1 is [gate; up] with a bias (a rank whose gate and up features did not match changes them;
+    tests/test_split_mlp.py holds each MLP's output to the whole one's)."""
+    ref = _varied(pools(1).run(_static, "ring", 0.0, L, "tree", None, 3, None, True)[0][0])
+    res = pools(world).run(_static, "ring", 0.0, L, "tree", None, 3, "split", True)
+    assert all(tokens == ref for tokens, _ in res)
+    whole = pools(world).run(_static, "ring", 0.0, L, "tree", None, 3, "whole", False)
+    split = pools(world).run(_static, "ring", 0.0, L, "tree", None, 3, "split", False)
+    assert whole == split and all(tokens == pools(1).run(_static, "ring")[0][0] for tokens, _ in split)
 
 
 @pytest.mark.parametrize("prompt_len", (13, 3))
@@ -158,6 +189,7 @@ def _static_bad(rank, world, case):
 @pytest.mark.parametrize("case, needle", [({"decoder": "nope"}, "decoder"), ({"variant": "x"}, "variant"),
                                           ({"decoder": "sdpa"}, "P = 1 only"),
                                           ({"top_p": 0.0}, "top_p"), ({"capacity": 0}, "capacity"),
+                                          ({"mlp": "half"}, "mlp must be"),
                                           ({}, "capacity")])    # 8 + 4 tokens need 6 slots per rank, not 4
 def test_static_bad_input(pools, case, needle):
     out = pools(2).run_outcomes(_static_bad, case, timeout=60)

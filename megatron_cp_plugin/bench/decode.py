@@ -102,6 +102,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--profile-steps", type=int, default=5, help="steps measured under the profiler")
     g.add_argument("--variants", nargs="+", choices=VARIANTS, default=None,
                    help="tree merge variants timed side by side at P > 1 (default: the cost model's choice alone)")
+    g.add_argument("--mlp", nargs="+", choices=("split", "whole"), default=None,
+                   help="the step's MLPs split over the CP ranks or whole on each, each timed side by side at P > 1 "
+                   "(default: the decoder's choice, split at P > 1; --profile takes the first)")
     g.add_argument("--pdl", choices=("on", "off", "both"), default="on",
                    help="programmatic dependent launch of the step's kernels (kernels/_launch.pdl; Hopper and "
                    "newer): both times each graphed row with it and again without ('graph-nopdl')")

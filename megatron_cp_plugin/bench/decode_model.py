@@ -13,7 +13,8 @@
 Rows that cannot run here are decided before anything of them is allocated and reported with a one-line reason
 (key "not_run"): graph rows without a GPU or on gloo, and configurations whose memory (`config_bytes`) is more
 than some rank has free.
-floor_ms = (weight bytes + this rank's KV shard bytes) / the GPU's memory bandwidth; x_floor = ms / floor_ms.
+floor_ms = (weight bytes this rank reads + its KV shard bytes) / the GPU's memory bandwidth (with the MLPs split
+over the CP ranks, --mlp split, a rank reads its share of them); x_floor = ms / floor_ms.
 """
 from __future__ import annotations
 
@@ -215,7 +216,8 @@ def model_bench(a, rank: int, world: int, dev, bw: float | None) -> list[dict]:
               f"({weights / 1e9:.2f} GB; made to give varying greedy tokens: inference/token_check.py), "
               f"{world} x {name}, CP = {world}. Latency rows: the KV cache filled with random K, V (no prefill), "
               "the static step (inference/static.py) replayed as one CUDA graph ('graph') or run eagerly; median "
-              f"of {a.tokens} steps (eager: a quarter), slowest rank. floor_ms = (weights + this rank's KV shard) "
+              f"of {a.tokens} steps (eager: a quarter), slowest rank. floor_ms = (the weights this rank reads (its "
+              f"share of the MLPs where mlp = split) + its KV shard) "
               f"/ {bandwidth_note(dev, bw)}. not_run: why a row did not run here. " + pdl_note(a))
     rows: list[dict] = []
 
@@ -260,14 +262,17 @@ def model_bench(a, rank: int, world: int, dev, bw: float | None) -> list[dict]:
         emit({"what": "tokens graph == eager", "context": a.check_context, "batch": 1, "decoder": "tree",
               "mode": "graph vs eager", "not_run": no_graph}, f"token check graph == eager: {no_graph}")
     # 2. latency per configuration, the cache filled with random K, V.
-    runs = [(*c, v) for c in latency_configs(a, dev, world)
-            for v in (a.variants if c[2] == "tree" and world > 1 and a.variants else [None])]
-    for n, b, decoder, mode, refused, variant in runs:
+    runs = [(*c, v, m) for c in latency_configs(a, dev, world)
+            for v in (a.variants if c[2] == "tree" and world > 1 and a.variants else [None])
+            for m in (a.mlp if world > 1 and a.mlp else [None])]
+    for n, b, decoder, mode, refused, variant, mlp in runs:
         steps = a.tokens if mode == "graph" else max(4, a.tokens // 4)
         cap = latency_capacity(n, steps, world)
         row = {"what": "latency (random K, V cache)", "context": n, "batch": b, "decoder": decoder, "mode": mode}
         if variant is not None:
             row["variant_asked"] = variant
+        if mlp is not None:
+            row["mlp_asked"] = mlp
         # refused is the same on every rank, so either all of them or none take part in not_fitting's gather.
         why = refused or not_fitting(config_bytes(a, batch=b, capacity=cap, world=world, decoder=decoder,
                                                   graphed=is_graphed(mode)), dev, group)
@@ -277,18 +282,20 @@ def model_bench(a, rank: int, world: int, dev, bw: float | None) -> list[dict]:
             continue
         with pdl_for(mode):
             dec = StaticDecoder(model, group, batch=b, capacity=cap, decoder=decoder, graphed=is_graphed(mode),
-                                variant=variant)
+                                variant=variant, mlp=mlp)
             dec.fill_random(n, seed=n)
             dec.tokens.copy_(torch.randint(0, VOCAB, (b, 1), generator=torch.Generator().manual_seed(n)).to(dev))
             ms = _timed(dec, steps)
         kv = -(-(n + steps // 2) // world) * dec.cache.bytes_per_token()
-        floor = decode_floor(weights, kv, bw) * 1e3 if bw else float("nan")
-        row.update(variant=dec.variant or "-", ms_per_token=ms, tokens_per_s=b * 1e3 / ms, floor_ms=floor,
-                   x_floor=ms / floor, weights_GB=weights / 1e9, kv_shard_GB=kv / 1e9)
+        read = dec.weight_bytes_read()
+        floor = decode_floor(read, kv, bw) * 1e3 if bw else float("nan")
+        row.update(variant=dec.variant or "-", mlp=dec.mlp, ms_per_token=ms, tokens_per_s=b * 1e3 / ms,
+                   floor_ms=floor, x_floor=ms / floor, weights_GB=read / 1e9, kv_shard_GB=kv / 1e9)
         dec.close()
         dec = None                                              # the cache goes before the next one is made
         _release()
-        emit(row, f"{n:>8} b={b} {decoder:4s} {mode:5s} {row['variant']:10s} {ms:8.2f} ms/token "
+        emit(row, f"{n:>8} b={b} {decoder:4s} {mode:5s} {row['variant']:10s} mlp {row['mlp']:5s} "
+                  f"{ms:8.2f} ms/token "
                   f"{row['tokens_per_s']:8.1f} tokens/s  floor {floor:6.2f} ms  x{ms / floor:.2f}")
     for n in a.context:                                         # tree vs ring, graphed, batch 1
         t = {r["decoder"]: r["ms_per_token"] for r in rows if r.get("context") == n and r.get("batch") == 1

@@ -42,8 +42,9 @@ from megatron_cp_plugin.bench._common import not_fitting, write_report
 # the first pattern that matches (re.search, any case) decides, so the specific come before the general
 # (flash-attention's names contain "cutlass", cuDNN's "wgmma"; index_copy is the cache append, not a copy).
 KERNEL_CLASSES: dict[str, str] = {
-    # The peer kernel (kernels/peer_merge.py) waits for the peers and reads their partials: exchange and merge.
-    r"nccl|c10d::|gloo|record_param_comms|\ball_?(gather|reduce)|send_?recv|_peer_merge_kernel": "exchange",
+    # The peer kernels (kernels/peer_merge.py, peer_sum.py: the split MLPs' reduce) wait for the peers and read their
+    # partials: exchange (and merge, or the sum).
+    r"nccl|c10d::|gloo|record_param_comms|\ball_?(gather|reduce)|send_?recv|_peer_(merge|sum)_kernel": "exchange",
     r"(?<![a-z])rope|rotary|index_copy|\b(cos|sin)_kernel|aten::(cos|sin|outer)\b": "rope_append",
     r"_partial_kernel|_deft_|flash|fmha|sdpa|attention|cudnn|aten::(einsum|bmm|baddbmm)\b": "attention",
     r"ArgMax|ArgMin|argmax|softmax|topk|sort|multinomial|cumsum": "sampling",
@@ -138,9 +139,8 @@ def summarize(steps: list[tuple[float, float, list[dict]]]) -> dict[str, tuple[f
 
 def must_read(model, dec, kv_tokens: int, vocab: int) -> dict[str, int | None]:
     """Bytes each part of one step must read on this rank (None: not known from the shapes); "wall": the floor's
-    (every weight and this rank's KV shard of kv_tokens tokens, as the latency rows count it)."""
-    from megatron_cp_plugin.inference.floor import weight_bytes
-
+    (the weights this rank reads, its share of split MLPs, and its KV shard of kv_tokens tokens, as the latency
+    rows count it)."""
     gemm = norm = emb = 0
     for name, p in model.named_parameters():           # each shared tensor once
         nb = p.numel() * p.element_size()
@@ -163,10 +163,13 @@ def must_read(model, dec, kv_tokens: int, vocab: int) -> dict[str, int | None]:
         attn, exchange = P * dec.cache.capacity * per_token, (P - 1) * dec.cache.capacity * (per_token + 8 * b * L)
     else:
         attn, exchange = kv, partials
+    if dec.split is not None:          # this rank's MLP shares, and every rank's fp32 fc2 partial a layer
+        gemm -= dec.split.weight_bytes_saved()
+        exchange += L * P * b * hidden * 4
     return {"gemm": gemm, "attention": attn, "rope_append": L * b * (h + 2 * h_kv) * d * e,
             "norm": norm + (2 * L + 1) * b * hidden * e, "exchange": exchange, "merge": partials,
             "sampling": b * vocab * 4, "copy": None, "other": None, "busy": None, "idle": None,
-            "wall": weight_bytes(model) + kv}
+            "wall": dec.weight_bytes_read() + kv}
 
 
 def _us(x: float):
@@ -270,7 +273,8 @@ def profile_bench(a, rank: int, world: int, dev, bw: float | None) -> list[dict]
             continue
         trace = os.path.join(trace_dir, f"{n}_b{b}_{decoder}_{mode}_rank{rank}.json.gz")
         with pdl_for(mode):
-            dec = StaticDecoder(model, group, batch=b, capacity=cap, decoder=decoder, graphed=is_graphed(mode))
+            dec = StaticDecoder(model, group, batch=b, capacity=cap, decoder=decoder, graphed=is_graphed(mode),
+                                mlp=(a.mlp or [None])[0])
             dec.fill_random(n, seed=n)
             dec.tokens.copy_(torch.randint(0, VOCAB, (b, 1), generator=torch.Generator().manual_seed(n)).to(dev))
             events, ev_ms = profile_steps(dec, a.profile_steps, TIMED_WARMUP, trace)

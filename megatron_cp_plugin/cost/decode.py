@@ -215,10 +215,28 @@ class DecodeModel:
         layer = (qkv * h + qkv) + (h * self.heads * d + h) + (self.ffn * h + self.ffn) + (h * self.ffn + h) + 2 * h
         return (self.layers * layer + h + 2 * self.vocab * h) * self.dtype_bytes
 
+    def mlp_bytes(self) -> int:
+        """What the split MLPs divide over the ranks (inference/split_mlp.py): fc1's weight and bias, fc2's weight."""
+        return self.layers * (2 * self.ffn * self.hidden + self.ffn) * self.dtype_bytes
+
+
+def split_reduce_time(m: DecodeModel, world: int, hw: Hardware, *, batch: int = 1, peer: bool = True) -> float:
+    """Seconds of one split MLP's reduce in a graphed step (every rank's fp32 b x hidden partial summed, fc2's bias
+    and the residual added): the peer kernel (kernels/peer_sum.py: two flag rounds as the peer merge's, the peers'
+    partials read over NVLink) or the group's all-reduce and three small kernels."""
+    part = batch * m.hidden * 4
+    if world == 1:
+        return 0.0
+    if peer:
+        return 2 * PEER_SIGNAL_S + (world - 1) * part / hw.intra_bw + GRAPH_LAUNCH_S + (world + 2) * part / hw.mem_bw
+    lk = phase_link([list(range(world))], hw, p2p=False, collective="allreduce")
+    lk = dataclasses.replace(lk, lat=lk.lat * GRAPH_LATENCY_RATIO)
+    return lk.t(2 * (world - 1) * part / world) + 4 * GRAPH_LAUNCH_S + 3 * part / hw.mem_bw
+
 
 def decode_step_time(m: DecodeModel, context: int, world: int, hw: Hardware, *, batch: int = 1,
                      mem_bw: float | None = None, small_per_layer: int = SMALL_KERNELS_PER_LAYER,
-                     pdl: bool = True, method: str = "tree-allgather") -> dict[str, float]:
+                     pdl: bool = True, method: str = "tree-allgather", mlp: str = "whole") -> dict[str, float]:
     """Predicted seconds of one graphed decode step of model `m` (batch 1-8, tree decoding, the allgather merge at
     P > 1) and its parts: gemm (every weight once at GEMV_EFFICIENCY), attention and exchange (predict_decode per
     layer, graphed), small (SMALL_KERNEL_S each), gaps (GRAPH_GAP_S after every kernel), total; and floor, the
@@ -226,9 +244,12 @@ def decode_step_time(m: DecodeModel, context: int, world: int, hw: Hardware, *, 
     hw.mem_bw); small_per_layer: the layers' small kernels (6 before the residual adds went into the linears);
     pdl: the kernels launch with programmatic dependent launch (PDL_GAP_S after each instead of GRAPH_GAP_S);
     method: the merge at P > 1, "tree-allgather" (an NCCL all-gather and a merge kernel a layer) or PEER_METHOD
-    (one kernel a layer)."""
+    (one kernel a layer); mlp "split" (P > 1): each rank reads 1/P of the MLPs and pays a reduce a layer
+    (split_reduce_time: the peer kernel with PEER_METHOD, else the all-reduce), "whole": every rank all of them."""
     if method not in ("tree-allgather", PEER_METHOD):
         raise ValueError(f"method must be 'tree-allgather' or {PEER_METHOD!r}, got {method!r}")
+    if mlp not in ("whole", "split"):
+        raise ValueError(f"mlp must be 'whole' or 'split', got {mlp!r}")
     bw = hw.mem_bw if mem_bw is None else mem_bw
     if not bw > 0:
         raise ValueError(f"mem_bw must be positive, got {mem_bw!r}")
@@ -236,12 +257,16 @@ def decode_step_time(m: DecodeModel, context: int, world: int, hw: Hardware, *, 
     pb = DecodeProblem(context, world, m.heads, m.kv_heads, m.head_dim, batch=batch, dtype_bytes=m.dtype_bytes)
     local = predict_decode("tree-allgather", dataclasses.replace(pb, world=1, context=pb.shard), hwb, graphed=True)
     attn = predict_decode(method, pb, hwb, graphed=True)
-    weights = m.weight_bytes()
-    kernels = m.layers * (4 + small_per_layer + _DECODE_KERNELS["local"]
-                         + (0 if world == 1 else 1 if method == PEER_METHOD else 2)) + STEP_KERNELS
+    split = mlp == "split" and world > 1
+    weights = m.weight_bytes() - (m.mlp_bytes() * (world - 1) // world if split else 0)
+    peer = method == PEER_METHOD
+    kernels = m.layers * (4 + small_per_layer + _DECODE_KERNELS["local"] + (0 if world == 1 else 1 if peer else 2)
+                          + (0 if not split else 1 if peer else 4)) + STEP_KERNELS
     parts = {"gemm": weights / (bw * GEMV_EFFICIENCY), "attention": m.layers * local,
-             "exchange": m.layers * (attn - local), "small": (m.layers * small_per_layer + STEP_KERNELS - 2)
-             * SMALL_KERNEL_S, "gaps": kernels * (PDL_GAP_S if pdl else GRAPH_GAP_S)}
+             "exchange": m.layers * (attn - local + (split_reduce_time(m, world, hwb, batch=batch, peer=peer)
+                                                     if split else 0.0)),
+             "small": (m.layers * small_per_layer + STEP_KERNELS - 2) * SMALL_KERNEL_S,
+             "gaps": kernels * (PDL_GAP_S if pdl else GRAPH_GAP_S)}
     parts["total"] = sum(parts.values())
     kv = 2 * m.layers * batch * pb.shard * m.kv_heads * m.head_dim * m.dtype_bytes
     parts["floor"] = (weights + kv) / bw

@@ -61,6 +61,9 @@ def _args(argv=None):
                    help="tree decoding's merge (default: the decode cost model's choice)")
     g.add_argument("--decoder", choices=("tree", "ring"), default="tree",
                    help="tree decoding, or the ring-decode baseline (K, V shards passed round every step)")
+    g.add_argument("--decode-mlp", choices=("split", "whole"), default=None,
+                   help="split each MLP's weights over the CP ranks for the decode step (default where CP > 1: each "
+                        "rank reads 1/P of them, one reduce a layer) or run it whole on every rank")
     g.add_argument("--decode-mode", choices=("graph", "eager"), default=None,
                    help="replay the decode step as a CUDA graph (default on GPUs) or run it eagerly")
     g.add_argument("--mem-bw", type=float, default=None, metavar="TB/s",
@@ -106,7 +109,7 @@ def _generate(args) -> None:
 
     from ..megatron.model import build_gpt
     from ..megatron.tokenizer import ByteTokenizer, padded_vocab_size
-    from .floor import floor_line, memory_bandwidth, weight_bytes
+    from .floor import floor_line, memory_bandwidth
     from .static import StaticDecoder
     from .token_check import distinct, vary_greedy_tokens_
 
@@ -141,7 +144,7 @@ def _generate(args) -> None:
     P = cp_group.size()
     dec = StaticDecoder(model, cp_group, batch=args.batch_size, capacity=-(-(len(ids) + args.max_new_tokens) // P),
                         decoder=args.decoder, variant=args.decode_variant, graphed=graphed,
-                        temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+                        temperature=args.temperature, top_p=args.top_p, seed=args.seed, mlp=args.decode_mlp)
     prompt = torch.tensor([ids] * args.batch_size, device=device)
     try:
         out = dec.generate(prompt, max_new_tokens=args.max_new_tokens, algo=cp_cfg.algo)
@@ -152,9 +155,10 @@ def _generate(args) -> None:
         mean_ctx = len(ids) + (args.max_new_tokens - 1) / 2
         kv = int(-(-mean_ctx // P)) * dec.cache.bytes_per_token()
         bw = memory_bandwidth(device, None if args.mem_bw is None else args.mem_bw * 1e12)
-        weights = weight_bytes(model)
+        weights = dec.weight_bytes_read()
         if rank == 0:
             how = f"tree, merge {dec.variant_note}" if args.decoder == "tree" and P > 1 else args.decoder
+            how += f", MLPs {dec.mlp}"
             print(f"megatron-cp-generate: {world} ranks (CP {P}), prefill {cp_cfg.algo}, decode {how}, "
                   f"{'CUDA graph' if graphed else 'eager'}, batch {args.batch_size}, prompt {len(ids)} tokens, "
                   f"{args.max_new_tokens} new")
@@ -169,7 +173,7 @@ def _generate(args) -> None:
             if args.result_json:
                 with open(args.result_json, "w") as f:
                     json.dump({"tokens": out.tolist(), "world": world, "decoder": args.decoder,
-                               "variant": dec.variant, "graphed": graphed, "prompt_tokens": len(ids),
+                               "variant": dec.variant, "mlp": dec.mlp, "graphed": graphed, "prompt_tokens": len(ids),
                                "batch": args.batch_size, "distinct_tokens": distinct(out),
                                "random_weights": not args.load, "prefill_s": t["prefill_s"], "token_ms": lat,
                                "median_token_ms": med, "weight_bytes": weights, "kv_shard_bytes": kv,

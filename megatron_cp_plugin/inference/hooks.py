@@ -230,14 +230,15 @@ def residual_links(model) -> list[tuple[torch.nn.Module, torch.nn.Module, tuple[
 
 @contextlib.contextmanager
 def swapped(model, *, core=None, rope=None, owners=None, norms: bool = False, bda: bool = False,
-            linears: bool = False):
+            linears: bool = False, split=None):
     """Inside the block, owner i's core_attention is core(its own, i) (owners: core_owners(model) unless given),
     the model's rotary_pos_emb is rope(its own) (when it has one), with norms every RMSNorm and LayerNorm a
     FusedNorm of itself, with bda every layer's bias-dropout-adds a FusedBiasDropoutAdd of themselves and every
     plain-GELU MLP's fc1 a FusedBiasGelu (its activation the identity), and with linears every linear of
     linear_slots a FusedLinear (a plain-GELU fc1 with GELU, its activation the identity); with all three, each
-    layer's linear_proj and linear_fc2 also add the residual (residual_links); the model's own are restored
-    after."""
+    layer's linear_proj and linear_fc2 also add the residual (residual_links); with split (a split_mlp.SplitMLPs)
+    the MLPs it holds compute this rank's share through SplitFC1 / SplitFC2 instead (a plain-GELU fc1 with GELU,
+    fc2 with the residual where the norms, bda and linears are stood in for); the model's own are restored after."""
     owners = core_owners(model) if owners is None else owners
     gpt = gpt_of(model)
     link_of: dict = {}
@@ -252,11 +253,25 @@ def swapped(model, *, core=None, rope=None, owners=None, norms: bool = False, bd
               (norm_slots(model) if norms else [])]
     swaps += [(p, n, FusedBiasDropoutAdd(getattr(p, n), link_of.get((id(p), n)))) for p, n in
               (bda_slots(model) if bda else [])]
-    lins = linear_slots(model) if linears else []
+    split_ids = {id(m) for m in split.mlps} if split is not None else set()
+    lins = [s for s in linear_slots(model) if id(s[0]) not in split_ids] if linears else []
+    if split is not None:
+        from .split_mlp import SplitFC1, SplitFC2
+
+        gelu_mlps = {id(m) for m in bias_gelu_mlps(model)}
+        for i, m in enumerate(split.mlps):
+            gelu = id(m) in gelu_mlps
+            swaps += [(m, "linear_fc1", SplitFC1(m.linear_fc1, split.fc1_weight[i], split.fc1_bias[i], gelu=gelu)),
+                      (m, "linear_fc2", SplitFC2(m.linear_fc2, split.fc2_weight[i], split.reduce,
+                                                 link_of.get(id(m.linear_fc2))))]
+            if gelu:
+                swaps.append((m, "activation_func", _identity))          # GELU is in SplitFC1
     swaps += [(p, n, FusedLinear(getattr(p, n), fuse_bias=fuse, gelu=gelu,
                                  link=link_of.get(id(getattr(p, n))) if fuse else None)) for p, n, fuse, gelu in lins]
     gelu_fc1 = {id(p) for p, _, _, gelu in lins if gelu}
     for m in bias_gelu_mlps(model) if (bda or linears) else []:
+        if id(m) in split_ids:
+            continue
         if id(m) not in gelu_fc1:
             if not bda:
                 continue

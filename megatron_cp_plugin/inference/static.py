@@ -35,6 +35,7 @@ from ..algos import registry
 from ..algos.ring_decode import ring_decode
 from ..algos.tree_decode import VARIANTS, tree_decode
 from ..kernels.flash_decode import HEAD_DIMS, Workspace
+from ..kernels.flash_decode import available as flash_available
 from ..symmetric import unsupported_reason
 from ..kernels.local_attn import sdpa_over_cache
 from ..kernels.rope_append import rope_append
@@ -88,13 +89,16 @@ class StaticDecoder:
     sequences and cache slots per rank (capacity >= ceil((prompt + new tokens) / P)); decoder "tree", "ring"
     (the baseline) or "sdpa" (P = 1 only: torch's SDPA over the whole cache, the single-GPU anchor); variant:
     tree_decode's merge (None: the cost model's choice); graphed: capture the step as a CUDA graph (default on
-    GPUs); temperature (0: greedy), top_p, seed: sampling.
+    GPUs); temperature (0: greedy), top_p, seed: sampling; mlp: "split" (each MLP's weights split over the CP
+    ranks, one reduce a layer: inference/split_mlp.py), "whole" (every rank runs every MLP whole) or None: "split"
+    where P > 1 and the model's MLPs can be split.
     """
 
     def __init__(self, model, cp_group, *, batch: int, capacity: int, decoder: str = "tree",
                  variant: str | None = None, graphed: bool | None = None, temperature: float = 0.0,
-                 top_p: float = 1.0, seed: int = 0):
+                 top_p: float = 1.0, seed: int = 0, mlp: str | None = None):
         from ..megatron.attention import CPCoreAttention
+        from .split_mlp import SplitMLPs, splittable_mlps
 
         if decoder not in DECODERS:
             raise ValueError(f"decoder must be 'tree', 'ring' (the ring-decode baseline) or 'sdpa' (torch's SDPA, "
@@ -102,6 +106,9 @@ class StaticDecoder:
         if decoder == "sdpa" and cp_group.size() != 1:
             raise ValueError(f"decoder 'sdpa' (torch's SDPA over the whole cache, the single-GPU anchor) runs at "
                              f"P = 1 only, got a context-parallel group of {cp_group.size()}")
+        if mlp not in (None, "split", "whole"):
+            raise ValueError(f"mlp must be 'split' (each MLP split over the CP ranks), 'whole' or None (split where "
+                             f"P > 1), got {mlp!r}")
         if variant is not None and variant not in VARIANTS:
             raise ValueError(f"variant must be one of {VARIANTS} or None (the cost model's choice), got {variant!r}")
         for name, v in (("batch", batch), ("capacity", capacity)):
@@ -126,6 +133,14 @@ class StaticDecoder:
         self.head_dim = cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
         self.cache = StaticCache(len(self.owners), batch, capacity, self.kv_heads, self.head_dim,
                                  cfg.params_dtype, self.device)
+        self._symmetric = None if self.world == 1 else unsupported_reason(cp_group, self.device, collective=True)
+        if mlp is None:
+            mlp = "split" if self.world > 1 and splittable_mlps(model) else "whole"
+        self.mlp, self.split = mlp, None
+        if mlp == "split":
+            # The reduce over NVLink where the peer merge could run (symmetric memory, Triton), else the collective.
+            peer = self.world > 1 and self._symmetric is None and flash_available(self.device)
+            self.split = SplitMLPs(model, cp_group, rows=batch, peer=peer)
         self.variant, self.variant_note = variant, f"{variant} (given)"
         if decoder == "tree" and variant is None:
             if self.world == 1:                                            # nothing to merge
@@ -152,6 +167,13 @@ class StaticDecoder:
         self.timings: dict = {}
 
     # ------------------------------------------------------------------------------------------ set-up
+    def weight_bytes_read(self) -> int:
+        """Bytes of weights this rank reads a step: all of its parameters, less the MLP shares of the other ranks
+        where the MLPs are split (the decode floor's weights)."""
+        from .floor import weight_bytes
+
+        return weight_bytes(self.model) - (self.split.weight_bytes_saved() if self.split is not None else 0)
+
     def _peer_unsupported(self) -> str | None:
         """Why the "peer" merge cannot run this step, or None: it needs the split-KV kernel (a head_dim it has, not
         fp64) and symmetric memory, every rank its own GPU of one node (a small all-gather of hosts and GPUs:
@@ -159,7 +181,7 @@ class StaticDecoder:
         if self.head_dim not in HEAD_DIMS or self.cache.k.dtype == torch.float64:
             return f"the split-KV kernel takes head_dim {HEAD_DIMS} and no fp64 (here {self.head_dim}, " \
                    f"{self.cache.k.dtype})"
-        return unsupported_reason(self.group, self.device, collective=True)
+        return self._symmetric
 
     def _choose_variant(self, context: int) -> tuple[str, str]:
         from .. import cost as cm
@@ -245,7 +267,7 @@ class StaticDecoder:
         (inference/hooks.py)."""
         gpu = self.device.type == "cuda"
         return swapped(self.model, owners=self.owners, core=lambda c, i: _StaticCore(c, i, self),
-                       rope=lambda r: _StaticRope(r, self), norms=gpu, bda=gpu, linears=gpu)
+                       rope=lambda r: _StaticRope(r, self), norms=gpu, bda=gpu, linears=gpu, split=self.split)
 
     def _body(self):
         """One decode step on device tensors only (what the graph captures)."""
@@ -301,8 +323,11 @@ class StaticDecoder:
         self.position_host += 1
 
     def close(self) -> None:
-        """Free the graph (NCCL waits for graphs that captured its collectives when destroying a group)."""
+        """Free the graph (NCCL waits for graphs that captured its collectives when destroying a group) and the split
+        MLPs' buffers."""
         self.graph = None
+        if self.split is not None:
+            self.split.close()
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 

@@ -12,6 +12,7 @@ bias, applies GELU where asked, and rounds once:
 
     y = gemv(x [..., K], weight [N, K], bias [N] | None, gelu=False)     x @ weight.T (+ bias) (-> GELU)
     y = gemv(x, weight, bias, residual=r [..., N])                        ... + r (the layer's residual stream)
+    gemv(x, weight[:, a:b], out=partial_fp32)                             a column slice (rows strided), into a buffer
 
 `gemv_reference` is the plain-PyTorch definition (fp32 accumulation, one rounding) and the path off CUDA, for
 fp64, for more than MAX_ROWS rows or without Triton. The sums run in another order than cuBLAS's, so results
@@ -40,17 +41,19 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                   gelu: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """The definition: x @ weight.T in fp32 (+ bias), exact GELU where asked (+ residual), rounded once to x's
-    dtype."""
-    y = x.float() @ weight.float().T
+                   gelu: bool = False, residual: torch.Tensor | None = None, dtype: torch.dtype | None = None
+                   ) -> torch.Tensor:
+    """The definition: x @ weight.T in fp32 (fp64 for fp64 operands) (+ bias), exact GELU where asked (+ residual),
+    rounded once to `dtype` (x's unless given)."""
+    acc = torch.float64 if torch.float64 in (x.dtype, dtype) else torch.float32
+    y = x.to(acc) @ weight.to(acc).T
     if bias is not None:
-        y = y + bias.float()
+        y = y + bias.to(acc)
     if gelu:
         y = torch.nn.functional.gelu(y)
     if residual is not None:
-        y = y + residual.float()
-    return y.to(x.dtype)
+        y = y + residual.to(acc)
+    return y.to(x.dtype if dtype is None else dtype)
 
 
 @functools.lru_cache(maxsize=None)
@@ -88,13 +91,13 @@ def config(m: int, n: int, k: int, device: torch.device | None = None) -> tuple[
 
 if triton is not None:
     @triton.jit
-    def _gemv_kernel(X, W, B, R, Y, M, N, K, sx, sr, sy, HAS_BIAS: tl.constexpr, GELU: tl.constexpr,
+    def _gemv_kernel(X, W, B, R, Y, M, N, K, sx, sw, sr, sy, HAS_BIAS: tl.constexpr, GELU: tl.constexpr,
                      HAS_RES: tl.constexpr,
                      ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
                      PRECISION: tl.constexpr, PDL: tl.constexpr):
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         nm = rn < N
-        w_rows = W + rn.to(tl.int64)[:, None] * K
+        w_rows = W + rn.to(tl.int64)[:, None] * sw
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
         # The first K block of the weight depends on no earlier kernel: with PDL it loads while that kernel ends.
@@ -144,12 +147,18 @@ if triton is not None:
     _INTERPRETED = type(_gemv_kernel).__name__ == "InterpretedFunction"
 
 
+def _rows_contiguous(weight: torch.Tensor) -> bool:
+    """Each row of the [N, K] weight contiguous (a contiguous weight, or a slice of its columns: the MLP's fc2 split
+    over ranks, inference/split_mlp.py)."""
+    return weight.dim() == 2 and (weight.stride(1) == 1 or weight.shape[1] == 1) and weight.stride(0) >= weight.shape[1]
+
+
 def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
-    """Whether gemv runs its kernel on these operands: CUDA, Triton, one dtype of DTYPES, a contiguous
-    weight, at most MAX_ROWS rows of contiguous last dimension, nothing that needs a gradient (a residual is
-    checked by gemv itself)."""
+    """Whether gemv runs its kernel on these operands: CUDA, Triton, one dtype of DTYPES, a weight whose rows are
+    contiguous, at most MAX_ROWS rows of contiguous last dimension, nothing that needs a gradient (a residual and
+    an out buffer are checked by gemv itself)."""
     return (x.device.type == "cuda" and available(x.device) and x.dtype in DTYPES and weight.dtype == x.dtype
-            and weight.dim() == 2 and weight.is_contiguous() and x.shape[-1] == weight.shape[1]
+            and _rows_contiguous(weight) and x.shape[-1] == weight.shape[1]
             and x.numel() // max(x.shape[-1], 1) <= MAX_ROWS and x.stride(-1) == 1
             and (bias is None or (bias.dtype == x.dtype and tuple(bias.shape) == (weight.shape[0],)
                                   and bias.is_contiguous()))
@@ -159,9 +168,12 @@ def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, gelu: bool = False,
          residual: torch.Tensor | None = None, backend: str | None = None,
-         block: tuple[int, int, int, int] | None = None, pdl: bool | None = None) -> torch.Tensor:
+         block: tuple[int, int, int, int] | None = None, pdl: bool | None = None,
+         out: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight [N, K].T (+ bias [N]) (-> exact GELU) (+ residual [..., N] of x's dtype): [..., N] of
-    x's dtype, a new tensor. backend None: the kernel where `takes` says so, the reference elsewhere; "triton"
+    x's dtype, a new tensor; with `out` (a contiguous [..., N] of any dtype of DTYPES, e.g. an fp32 partial sum in
+    a symmetric buffer) written there instead, rounded once to out's dtype. The weight's rows may be strided (a
+    slice of its columns). backend None: the kernel where `takes` says so, the reference elsewhere; "triton"
     forces the kernel (Triton's CPU interpreter in tests) and raises where it cannot take the operands. block:
     (BLOCK_N, BLOCK_K, num_warps, num_stages) instead of config()'s (the benchmark's sweep). pdl: launch with
     programmatic dependent launch (None: for one row, where _launch.pdl says so)."""
@@ -174,14 +186,20 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if residual is not None and (tuple(residual.shape) != out_shape or residual.dtype != x.dtype):
         raise ValueError(f"gemv: residual must be {out_shape} of x's dtype {x.dtype}, got "
                          f"{tuple(residual.shape)} {residual.dtype}")
+    if out is not None and (tuple(out.shape) != out_shape or not out.is_contiguous() or out.dtype not in DTYPES
+                            + (torch.float64,) or out.device != x.device):
+        raise ValueError(f"gemv: out must be a contiguous {out_shape} on {x.device} of a dtype in {DTYPES} (or fp64), "
+                         f"got {tuple(out.shape)} {out.dtype} on {out.device}")
     if backend == "triton":
-        ok = (triton is not None and x.dtype in DTYPES and weight.dtype == x.dtype and weight.is_contiguous()
+        ok = (triton is not None and x.dtype in DTYPES and weight.dtype == x.dtype and _rows_contiguous(weight)
               and x.numel() // max(K, 1) <= MAX_ROWS and (bias is None or bias.dtype == x.dtype))
         if not ok:
             raise ValueError(f"gemv: backend='triton' needs Triton, one dtype of {DTYPES} for x, weight and bias, a "
-                             f"contiguous weight and at most {MAX_ROWS} rows")
-    elif not takes(x, weight, bias) or (residual is not None and residual.requires_grad and torch.is_grad_enabled()):
-        return gemv_reference(x, weight, bias, gelu=gelu, residual=residual)
+                             f"weight of contiguous rows and at most {MAX_ROWS} rows")
+    elif (not takes(x, weight, bias) or (residual is not None and residual.requires_grad and torch.is_grad_enabled())
+          or (out is not None and out.dtype not in DTYPES)):
+        y = gemv_reference(x, weight, bias, gelu=gelu, residual=residual, dtype=None if out is None else out.dtype)
+        return y if out is None else out.copy_(y)
     N = weight.shape[0]
     x2 = x.reshape(-1, K)
     if x2.stride(-1) != 1:
@@ -190,7 +208,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     r2 = None if residual is None else residual.reshape(M, N)
     if r2 is not None and r2.stride(-1) != 1:
         r2 = r2.contiguous()
-    y = torch.empty(M, N, device=x.device, dtype=x.dtype)
+    y = torch.empty(M, N, device=x.device, dtype=x.dtype) if out is None else out.view(M, N)
     if M:
         bn, bk, warps, stages = block or config(M, N, K, x.device)
         rows = 1 if M == 1 else MAX_ROWS
@@ -199,7 +217,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             # with no PDL anywhere; batch 1 4.40 against 4.61), so the 2-16 row path launches as it did before.
             pdl = M == 1 and _launch.pdl(x.device)
         _gemv_kernel[(triton.cdiv(N, bn),)](x2, weight, weight if bias is None else bias, y if r2 is None else r2,
-                                             y, M, N, K, x2.stride(0), 0 if r2 is None else r2.stride(0),
+                                             y, M, N, K, x2.stride(0), weight.stride(0),
+                                             0 if r2 is None else r2.stride(0),
                                              y.stride(0), HAS_BIAS=bias is not None, GELU=gelu,
                                              HAS_RES=r2 is not None,
                                              ROWS=rows, BLOCK_N=bn, BLOCK_K=bk,
@@ -207,4 +226,4 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
                                              # fp32 operands: Triton's default is TF32 (1e-3 off on an H100)
                                              PRECISION="ieee" if x.dtype == torch.float32 else None, PDL=pdl,
                                              launch_pdl=pdl, num_warps=warps, num_stages=stages)
-    return y.reshape(*x.shape[:-1], N)
+    return y.reshape(*x.shape[:-1], N) if out is None else out
