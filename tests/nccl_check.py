@@ -115,8 +115,57 @@ def decode_check(a, world, dev) -> int:
                 print(f"tree_decode {variant} P={world} S={a.seq} {case} h={h}/{hk}: o {max(every):.2e} "
                       f"(1GPU {e1:.2e})  {'ok' if ok else 'FAIL'}", flush=True)
     if peer_why is None:
-        failures += peer_graph_check(a, world, dev)
+        failures += peer_graph_check(a, world, dev) + peer_sum_check(world, dev)
     return failures
+
+
+def peer_sum_check(world, dev, n=4096, calls=3, replays=200) -> int:
+    """The split MLPs' NVLink reduce (kernels/peer_sum.py) between real GPUs, as a CUDA graph of `calls` reduces
+    (rows 1, 8, 1 of one buffer: consecutive calls reuse it), replayed with new partials each time: every output
+    against NCCL's all-reduce of the same fp32 partials + bias + residual, rounded once to bf16 (within one bf16
+    rounding; a partial read while its owner rewrote it is another replay's, wrong by O(1))."""
+    from megatron_cp_plugin.kernels.peer_sum import peer_sum
+    from megatron_cp_plugin.symmetric import peer_buffers
+
+    rank = dist.get_rank()
+    bufs = peer_buffers(dist.group.WORLD, 8 * n, dev)
+    g = torch.Generator(device=dev).manual_seed(3)                         # the same bias, residual everywhere
+    bias = torch.randn(n, device=dev, generator=g).bfloat16()
+    rows = [1, 8, 1]
+    res = [torch.randn(r, n, device=dev, generator=g).bfloat16() for r in rows]
+    parts = [torch.empty(r, n, device=dev) for r in rows]
+    outs = [torch.empty(r, n, device=dev, dtype=torch.bfloat16) for r in rows]
+
+    def step():
+        for r, part, out, x in zip(rows, parts, outs, res):
+            bufs.data[:r * n].copy_(part.view(-1))                         # what fc2's GEMV writes
+            peer_sum(bufs, r, n, out, bias=bias, residual=x)
+
+    pg = torch.Generator(device=dev).manual_seed(100 + rank)
+    for part in parts:
+        part.copy_(torch.randn(part.shape, device=dev, generator=pg))
+    graphs = []
+    replay = graphed(step, graphs)
+    if replay is None:
+        return 1
+    worst = 0.0
+    for _ in range(replays):
+        for part in parts:
+            part.copy_(torch.randn(part.shape, device=dev, generator=pg))
+        replay()
+        for part, out, x in zip(parts, outs, res):
+            s = part.clone()
+            dist.all_reduce(s)
+            ref = s + bias.float() + x.float()
+            worst = max(worst, ((out.float() - ref).abs() / ref.abs().clamp(min=1e-3)).max().item())
+    every = [None] * world
+    dist.all_gather_object(every, worst)
+    ok = max(every) <= 2 * 2 ** -8
+    if rank == 0:
+        print(f"split-MLP reduce peer_sum P={world}: CUDA graph of {calls} calls x {replays} replays against NCCL "
+              f"all-reduce: worst relative {max(every):.2e}  {'ok' if ok else 'FAIL'}", flush=True)
+    graphs.clear()
+    return int(not ok)
 
 
 def peer_graph_check(a, world, dev, calls=3, replays=200) -> int:

@@ -46,6 +46,8 @@ def test_every_algorithm_grid_and_decode_variant_against_fp64(n):
         assert name in out, f"{name.strip()} did not run"
     if n == 4:
         assert "grid 4x1" in out and "grid 1x4" in out and "grid 2x2" in out     # rectangular and square grids
+    if n <= GPUS:                                   # one GPU a rank: the NVLink kernels ran (or said why not)
+        assert "split-MLP reduce peer_sum" in out or "tree_decode peer P=" in out and "not run" in out
 
 
 @pytest.mark.parametrize("n", (2, 3, 4))

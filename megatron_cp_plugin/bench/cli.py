@@ -31,6 +31,7 @@ SUBCOMMANDS = {
     "bias-add": ("megatron_cp_plugin.bench.bias_add", "the decode step's fused bias + residual add vs torch's two"),
     "gemv": ("megatron_cp_plugin.bench.gemv", "the decode step's fused linear (bias, GELU) vs cuBLAS + torch's ops"),
     "peer-merge": ("megatron_cp_plugin.bench.peer_merge", "tree decoding's NVLink exchange + merge vs NCCL + merge"),
+    "peer-sum": ("megatron_cp_plugin.bench.peer_sum", "the split MLPs' NVLink reduce vs NCCL all-reduce + adds"),
     "surrogate": ("megatron_cp_plugin.bench.surrogate", "the fused surrogate-O kernel vs its PyTorch reference"),
     "rank": ("megatron_cp_plugin.bench.rank_replay", "one rank's local work per algorithm on one device, vs ideal"),
     "cost-model": ("megatron_cp_plugin.bench.cost_report", "the cost model's tables (--table), one problem (--seq)"),

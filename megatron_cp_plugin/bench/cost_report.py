@@ -296,14 +296,15 @@ def table_decode(hw_names=("h200-nvlink", "h200-sockets")) -> list[Table]:
 
 def decode_step_rows(meas: dict) -> list[tuple[dict, dict]]:
     """(row, decode_step_time's prediction) for each row of one measured decode-step set: a row's own batch, pdl,
-    mem_bw and small_per_layer override the set's; its method (the merge at CP > 1) defaults to tree-allgather."""
+    mem_bw and small_per_layer override the set's; its method (the merge at CP > 1) defaults to tree-allgather, its
+    mlp (the MLPs split over the CP ranks or whole) to whole."""
     from megatron_cp_plugin.cost.decode import DecodeModel, decode_step_time
 
     m, hw = DecodeModel(**meas["model"]), HARDWARE[meas["hardware"]]
     return [(r, decode_step_time(m, r["context"], r["world"], hw, batch=r.get("batch", 1),
                                  mem_bw=r.get("mem_bw", meas["mem_bw"]), pdl=r.get("pdl", meas["pdl"]),
                                  small_per_layer=r.get("small_per_layer", meas["small_per_layer"]),
-                                 method=r.get("method", "tree-allgather")))
+                                 method=r.get("method", "tree-allgather"), mlp=r.get("mlp", "whole")))
             for r in meas["rows"]]
 
 
@@ -325,6 +326,7 @@ def table_decode_step() -> list[Table]:
         for r, p in decode_step_rows(meas):
             rows.append({"CP": r["world"], "context": _k(r["context"]), "batch": r.get("batch", 1),
                          "merge": r.get("method", "tree-allgather")[5:] if r["world"] > 1 else "-",
+                         "MLPs": r.get("mlp", "whole") if r["world"] > 1 else "-",
                          "PDL": "on" if r.get("pdl", meas["pdl"]) else "off",
                          "TB/s": r.get("mem_bw", meas["mem_bw"]) / 1e12, "measured ms": r["ms"],
                          "predicted ms": p["total"] * 1e3, "error": p["total"] * 1e3 / r["ms"] - 1,
@@ -338,14 +340,18 @@ def table_decode_step() -> list[Table]:
     for name in ("h100-ib", "h200-nvlink"):
         for P in (1, 2, 4, 8):
             for S in (32768, 131072, 524288):
-                p = decode_step_time(m, S, P, HARDWARE[name], method="tree-peer" if P > 1 else "tree-allgather")
-                rows.append({"hardware": name, "CP": P, "context": _k(S), "ms": p["total"] * 1e3,
-                             "floor ms": p["floor"] * 1e3, "x floor": p["total"] / p["floor"],
-                             "tokens/s over CP = 1": decode_step_time(m, S, 1, HARDWARE[name])["total"] / p["total"]})
-    out.append(Table("decode step predicted (the 8B shape, batch 1, graphed, tree peer at P > 1 (one node); the fused "
-                     "linears with the residual adds inside: 4 small kernels a layer; PDL; hw.mem_bw as the floor's "
-                     "bandwidth)", rows, {c: (lambda v: f"{v:.2f}") for c in ("ms", "floor ms", "x floor",
-                                                                          "tokens/s over CP = 1")}))
+                one = decode_step_time(m, S, 1, HARDWARE[name])["total"]
+                for mlp in ("whole", "split") if P > 1 else ("whole",):
+                    p = decode_step_time(m, S, P, HARDWARE[name], method="tree-peer" if P > 1 else "tree-allgather",
+                                         mlp=mlp)
+                    rows.append({"hardware": name, "CP": P, "context": _k(S), "MLPs": mlp if P > 1 else "-",
+                                 "ms": p["total"] * 1e3, "floor ms": p["floor"] * 1e3,
+                                 "x floor": p["total"] / p["floor"], "tokens/s over CP = 1": one / p["total"]})
+    out.append(Table("decode step predicted (the 8B shape, batch 1, graphed, tree peer at P > 1 (one node), the MLPs "
+                     "whole on every rank or split over the CP ranks (the static decoder's default at P > 1; the "
+                     "floor then counts a rank's share); the fused linears with the residual adds inside: 4 small "
+                     "kernels a layer; PDL; hw.mem_bw as the floor's bandwidth)", rows,
+                     {c: (lambda v: f"{v:.2f}") for c in ("ms", "floor ms", "x floor", "tokens/s over CP = 1")}))
     return out
 
 
