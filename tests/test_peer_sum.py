@@ -77,6 +77,7 @@ def test_the_sum_is_the_same_bits_on_every_rank():
 
 def test_rejects_a_buffer_too_small_and_wrong_operands():
     data, flags = _ranks(2, 64, seed=1)
+    flags[0][:, :, 1] = 1                  # a call wrongly let through finishes (DID NOT RAISE) instead of spinning
     bufs = _bufs(data, flags, 0)
     out = torch.empty(8, 8, device=DEV)
     with pytest.raises(ValueError, match="a buffer of >= 72"):
