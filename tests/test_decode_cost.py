@@ -88,13 +88,15 @@ def test_decode_step_model_against_the_measured_steps():
     """cost/decode.decode_step_time against the graphed 8B-shape steps measured on H100s (constants fitted on the
     first two CP = 1 rows: within 2 %; the CP = 2 rows and the later H100 rows, with and without PDL, a check:
     within 6 %) and on H200s (every row a check, batch 8 and PDL included: within 6 %; with the per-device GEMVs
-    and the peer merge beside allgather: within 7 %, and peer faster than allgather where both ran); its weights
+    and the peer merge beside allgather: within 7 %, and peer faster than allgather where both ran; on H100s the MLPs
+    split against whole, and the same on H200s: within 6 %, split faster where both ran); its weights
     are the bench's 10.21 GB; PDL is faster by its gap."""
     from megatron_cp_plugin.bench.cost_report import decode_step_rows, load_measured
     from megatron_cp_plugin.cost.decode import DecodeModel, decode_step_time
 
     measured = load_measured(MEASURED)
-    for key in ("decode_step", "decode_step_h200", "decode_step_h200_peer"):
+    for key in ("decode_step", "decode_step_h200", "decode_step_h200_peer", "decode_step_h100_split",
+                "decode_step_h200_split"):
         meas = measured[key]
         m = DecodeModel(**meas["model"])
         assert abs(m.weight_bytes() - 10.21e9) < 0.005e9
@@ -110,6 +112,11 @@ def test_decode_step_model_against_the_measured_steps():
             pairs.setdefault((r["context"], r.get("batch", 1), r["world"]), {})[r.get("method")] = (r["ms"], p["total"])
         for both in (x for x in pairs.values() if {"tree-allgather", "tree-peer"} <= set(x)):
             assert both["tree-peer"][0] < both["tree-allgather"][0] and both["tree-peer"][1] < both["tree-allgather"][1]
+        halves = {}
+        for r, p in decode_step_rows(meas):
+            halves.setdefault((r["context"], r.get("batch", 1)), {})[r.get("mlp")] = (r["ms"], p["total"])
+        for both in (x for x in halves.values() if {"whole", "split"} <= set(x)):   # split faster, measured and model
+            assert both["split"][0] < both["whole"][0] and both["split"][1] < both["whole"][1]
     on, off = (decode_step_time(m, 32768, 1, HARDWARE["h200-nvlink"], pdl=x)["total"] for x in (True, False))
     assert 0.1e-3 < off - on < 0.3e-3                           # 0.21 ms measured on one H100 and one H200
     with pytest.raises(ValueError, match="mem_bw must be positive"):

@@ -319,7 +319,10 @@ def table_decode_step() -> list[Table]:
                       ("decode_step_h200", "a check: nothing fitted on it"),
                       ("decode_step_h200_peer", "per-device GEMV blocks, allgather against peer in one run; a "
                                                 "check (PEER_SIGNAL_S comes from this run's 128k pair and an "
-                                                "earlier profile)")):
+                                                "earlier profile)"),
+                      ("decode_step_h100_split", "the MLPs whole against split over the CP ranks in one run; a check "
+                                                 "(PEER_SUM_S is the peer-sum benchmark's figure)"),
+                      ("decode_step_h200_split", "the same on H200s, batch 8 included; a check")):
         meas = measured[key]
         m = DecodeModel(**meas["model"])
         rows = []

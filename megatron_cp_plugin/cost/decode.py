@@ -220,15 +220,23 @@ class DecodeModel:
         return self.layers * (2 * self.ffn * self.hidden + self.ffn) * self.dtype_bytes
 
 
+PEER_SUM_S = 9.8e-6
+"""One call of the split MLPs' NVLink reduce (kernels/peer_sum.py), graphed, its flag rounds and the wait for the
+other rank included: `megatron-cp-bench peer-sum` on 2 x H100 (2026-11-27), 9.75 us at 1 row and 9.9 at 8 rows of
+4096 (NCCL's all-reduce + adds 18.1 / 18.9). Measured, not fitted on the step totals. It is 6x the ~1.5 us the
+peer merge was credited with (PEER_SIGNAL_S, inferred from a step difference, not timed alone: its own benchmark
+has not run), though both kernels make the same two flag rounds; which of the two figures is right is open."""
+
+
 def split_reduce_time(m: DecodeModel, world: int, hw: Hardware, *, batch: int = 1, peer: bool = True) -> float:
     """Seconds of one split MLP's reduce in a graphed step (every rank's fp32 b x hidden partial summed, fc2's bias
-    and the residual added): the peer kernel (kernels/peer_sum.py: two flag rounds as the peer merge's, the peers'
-    partials read over NVLink) or the group's all-reduce and three small kernels."""
+    and the residual added): the peer kernel (kernels/peer_sum.py: PEER_SUM_S, measured, plus the peers' partials
+    read over NVLink beyond the measured 16 kB) or the group's all-reduce and three small kernels."""
     part = batch * m.hidden * 4
     if world == 1:
         return 0.0
     if peer:
-        return 2 * PEER_SIGNAL_S + (world - 1) * part / hw.intra_bw + GRAPH_LAUNCH_S + (world + 2) * part / hw.mem_bw
+        return PEER_SUM_S + (world - 1) * max(0, part - 4096 * 4) / hw.intra_bw
     lk = phase_link([list(range(world))], hw, p2p=False, collective="allreduce")
     lk = dataclasses.replace(lk, lat=lk.lat * GRAPH_LATENCY_RATIO)
     return lk.t(2 * (world - 1) * part / world) + 4 * GRAPH_LAUNCH_S + 3 * part / hw.mem_bw
