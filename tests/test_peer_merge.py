@@ -14,16 +14,18 @@ import torch
 from megatron_cp_plugin.kernels import flash_decode as fd
 from megatron_cp_plugin.kernels import peer_merge as pm
 
+from .peer_sim import PROGRAMS, zero_flags
+from .peer_sim import bufs as _bufs
+
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.skipif(not fd.available(DEV), reason="SKIPPED LOUDLY: triton is not installed")
-PROGRAMS, WIDTH = 64, 8
 
 
 def _ranks(P, R, d, seed, empty_rows=()):
     """P simulated ranks: packed partials (some rows unseen by some ranks, `empty_rows` unseen by all) and zeroed
     flags."""
     g = torch.Generator().manual_seed(seed)
-    data, flags = [], []
+    data, flags = [], zero_flags(P, DEV)
     for p in range(P):
         o = torch.randn(R, d, generator=g)
         lse = torch.randn(R, generator=g) * 4
@@ -31,14 +33,7 @@ def _ranks(P, R, d, seed, empty_rows=()):
         unseen[list(empty_rows)] = True
         o[unseen], lse[unseen] = 0.0, float("-inf")
         data.append(torch.cat([o.flatten(), lse, torch.full((5,), 7.0)]).to(DEV))    # longer than needed
-        flags.append(torch.zeros(2, PROGRAMS, WIDTH, dtype=torch.int32, device=DEV))
     return data, flags
-
-
-def _bufs(data, flags, rank):
-    ptrs = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device=DEV)  # noqa: E731
-    return SimpleNamespace(data=data[rank], flags=flags[rank], data_ptrs=ptrs(data), flag_ptrs=ptrs(flags),
-                           rank=rank, world=len(data))
 
 
 @pytest.mark.parametrize("P,R,d,rank", [(1, 8, 64, 0), (2, 32, 128, 1), (3, 37, 64, 2), (8, 5, 128, 3),

@@ -6,30 +6,24 @@ peer. The kernel between real GPUs runs in the static decode step (the bench's g
 token checks, scripts/gpu_decode_check.sh)."""
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
 from megatron_cp_plugin.kernels import flash_decode as fd
 from megatron_cp_plugin.kernels import peer_sum as ps
 
+from .peer_sim import PROGRAMS, zero_flags
+from .peer_sim import bufs as _bufs
+
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.skipif(not fd.available(DEV), reason="SKIPPED LOUDLY: triton is not installed")
-PROGRAMS, WIDTH = 64, 8
 
 
 def _ranks(P, numel, seed):
     g = torch.Generator().manual_seed(seed)
     data = [torch.cat([torch.randn(numel, generator=g), torch.full((7,), 1e6)]).to(DEV) for _ in range(P)]
-    flags = [torch.zeros(2, PROGRAMS, WIDTH, dtype=torch.int32, device=DEV) for _ in range(P)]
+    flags = zero_flags(P, DEV)
     return data, flags
-
-
-def _bufs(data, flags, rank):
-    ptrs = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device=DEV)  # noqa: E731
-    return SimpleNamespace(data=data[rank], flags=flags[rank], data_ptrs=ptrs(data), flag_ptrs=ptrs(flags),
-                           rank=rank, world=len(data))
 
 
 @pytest.mark.parametrize("P, rows, n, rank", [(1, 1, 4096, 0), (2, 1, 4096, 1), (3, 8, 4100, 2), (8, 2, 300, 5),

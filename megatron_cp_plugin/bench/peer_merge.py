@@ -11,36 +11,26 @@ ranks sharing a GPU, one rank) it says why and exits 0.
 """
 from __future__ import annotations
 
-import argparse
-
 import torch
-import torch.distributed as dist
 
-from megatron_cp_plugin.bench._common import gather_max, init_distributed, time_ms, write_report
-from megatron_cp_plugin.bench.decode import graphed
+from megatron_cp_plugin.bench import _peer
+from megatron_cp_plugin.bench._common import gather_max
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="megatron-cp-bench peer-merge", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", type=int, nargs="+", default=[32, 256])
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--layers", type=int, default=32)
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--out", default="results/peer_merge")
-    a = p.parse_args(argv)
-    rank, world, dev = init_distributed()
+    def flags(p):
+        p.add_argument("--rows", type=int, nargs="+", default=[32, 256])
+        p.add_argument("--head-dim", type=int, default=128)
+
+    got = _peer.start("peer-merge", __doc__, argv, flags)
+    if got is None:
+        return 0
+    a, rank, world, dev = got
     from megatron_cp_plugin.comm import all_gather
     from megatron_cp_plugin.kernels import flash_decode as fd
     from megatron_cp_plugin.kernels.peer_merge import peer_merge
-    from megatron_cp_plugin.symmetric import peer_buffers, unsupported_reason
+    from megatron_cp_plugin.symmetric import peer_buffers
 
-    why = "one rank: nothing to exchange" if world == 1 else unsupported_reason(None, dev, collective=True)
-    if why is not None:
-        if rank == 0:
-            print(f"megatron-cp-bench peer-merge: the peer kernel cannot run here ({why}); nothing run")
-        dist.destroy_process_group()
-        return 0
     d, rows_out, graphs = a.head_dim, [], []
     for R in a.rows:
         bufs = peer_buffers(None, R * (d + 1), dev)
@@ -62,25 +52,16 @@ def main(argv=None):
         ref = gathered()
         torch.cuda.synchronize(dev)
         diff = gather_max((out_p - ref[0]).abs().max().item())
-        row = {"rows": R, "world": world, "layers": a.layers, "max_diff": diff}
-        for name, fn in (("allgather", gathered), ("peer", peer)):
-            row[f"{name}_eager_us"] = gather_max(time_ms(fn, iters=a.iters, before=dist.barrier)) * 1e3 / a.layers
-            replay = graphed(fn, graphs)
-            row[f"{name}_graph_us"] = float("nan") if replay is None else \
-                gather_max(time_ms(replay, iters=a.iters, before=dist.barrier)) * 1e3 / a.layers
+        row = {"rows": R, "world": world, "layers": a.layers, "max_diff": diff,
+               **_peer.time_calls({"allgather": gathered, "peer": peer}, a, graphs)}
         rows_out.append(row)
         if rank == 0:
             print(f"rows {R}: allgather {row['allgather_graph_us']:.1f} us graphed ({row['allgather_eager_us']:.1f} "
                   f"eager), peer {row['peer_graph_us']:.1f} ({row['peer_eager_us']:.1f}) per call; max diff "
                   f"{diff:.1e}", flush=True)
-    if rank == 0:
-        write_report(rows_out, a.out, f"Exchange + merge per call, {world} x {torch.cuda.get_device_name(dev)}, "
-                     f"d {d}, {a.layers} calls a step, median of {a.iters}, slowest rank (bench/peer_merge.py)")
-    torch.cuda.synchronize(dev)
-    graphs.clear()                      # before the process group goes: the graphs hold NCCL work
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
+    return _peer.finish(rows_out, a, f"Exchange + merge per call, {world} x {torch.cuda.get_device_name(dev)}, d {d}, "
+                        f"{a.layers} calls a step, median of {a.iters}, slowest rank (bench/peer_merge.py)",
+                        graphs, rank, dev)
 
 
 if __name__ == "__main__":

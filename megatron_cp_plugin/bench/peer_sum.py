@@ -11,34 +11,25 @@ sharing a GPU, one rank) it says why and exits 0.
 """
 from __future__ import annotations
 
-import argparse
-
 import torch
 import torch.distributed as dist
 
-from megatron_cp_plugin.bench._common import gather_max, init_distributed, time_ms, write_report
-from megatron_cp_plugin.bench.decode import graphed
+from megatron_cp_plugin.bench import _peer
+from megatron_cp_plugin.bench._common import gather_max
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="megatron-cp-bench peer-sum", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 8])
-    p.add_argument("--hidden", type=int, default=4096)
-    p.add_argument("--layers", type=int, default=32)
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--out", default="results/peer_sum")
-    a = p.parse_args(argv)
-    rank, world, dev = init_distributed()
-    from megatron_cp_plugin.kernels.peer_sum import peer_sum
-    from megatron_cp_plugin.symmetric import peer_buffers, unsupported_reason
+    def flags(p):
+        p.add_argument("--rows", type=int, nargs="+", default=[1, 8])
+        p.add_argument("--hidden", type=int, default=4096)
 
-    why = "one rank: nothing to reduce" if world == 1 else unsupported_reason(None, dev, collective=True)
-    if why is not None:
-        if rank == 0:
-            print(f"megatron-cp-bench peer-sum: the peer kernel cannot run here ({why}); nothing run")
-        dist.destroy_process_group()
+    got = _peer.start("peer-sum", __doc__, argv, flags)
+    if got is None:
         return 0
+    a, rank, world, dev = got
+    from megatron_cp_plugin.kernels.peer_sum import peer_sum
+    from megatron_cp_plugin.symmetric import peer_buffers
+
     n, rows_out, graphs = a.hidden, [], []
     for R in a.rows:
         bufs = peer_buffers(None, R * n, dev)
@@ -48,7 +39,7 @@ def main(argv=None):
         g0 = torch.Generator(device=dev).manual_seed(1234)               # the same bias and residual everywhere
         bias = torch.randn(n, device=dev, generator=g0).bfloat16()
         res = torch.randn(R, n, device=dev, generator=g0).bfloat16()
-        out_p, out_n = torch.empty(R, n, device=dev, dtype=torch.bfloat16), None
+        out_p = torch.empty(R, n, device=dev, dtype=torch.bfloat16)
         buf = part.clone()
 
         def peer():
@@ -66,26 +57,17 @@ def main(argv=None):
         out_n = nccl()
         torch.cuda.synchronize(dev)
         diff = gather_max((out_p.float() - out_n.float()).abs().max().item())
-        row = {"rows": R, "hidden": n, "world": world, "layers": a.layers, "max_diff": diff}
-        for name, fn in (("allreduce", nccl), ("peer", peer)):
-            row[f"{name}_eager_us"] = gather_max(time_ms(fn, iters=a.iters, before=dist.barrier)) * 1e3 / a.layers
-            replay = graphed(fn, graphs)
-            row[f"{name}_graph_us"] = float("nan") if replay is None else \
-                gather_max(time_ms(replay, iters=a.iters, before=dist.barrier)) * 1e3 / a.layers
+        row = {"rows": R, "hidden": n, "world": world, "layers": a.layers, "max_diff": diff,
+               **_peer.time_calls({"allreduce": nccl, "peer": peer}, a, graphs)}
         rows_out.append(row)
         if rank == 0:
             print(f"rows {R}: allreduce + adds {row['allreduce_graph_us']:.1f} us graphed "
                   f"({row['allreduce_eager_us']:.1f} eager), peer {row['peer_graph_us']:.1f} "
                   f"({row['peer_eager_us']:.1f}) per call; max diff {diff:.1e}", flush=True)
-    if rank == 0:
-        write_report(rows_out, a.out, f"Split-MLP reduce per call, {world} x {torch.cuda.get_device_name(dev)}, "
-                     f"hidden {n}, {a.layers} calls a step, median of {a.iters}, slowest rank (bench/peer_sum.py; "
-                     "allreduce includes a copy of the partial, which the step's GEMV makes unnecessary)")
-    torch.cuda.synchronize(dev)
-    graphs.clear()                      # before the process group goes: the graphs hold NCCL work
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
+    return _peer.finish(rows_out, a, f"Split-MLP reduce per call, {world} x {torch.cuda.get_device_name(dev)}, hidden "
+                        f"{n}, {a.layers} calls a step, median of {a.iters}, slowest rank (bench/peer_sum.py; "
+                        "allreduce includes a copy of the partial, which the step's GEMV makes unnecessary)",
+                        graphs, rank, dev)
 
 
 if __name__ == "__main__":
