@@ -3,8 +3,8 @@ layer's output straight from the peers' memory, adds fc2's bias and the residual
 instead of an NCCL all-reduce followed by the adds.
 
 Why: a decode step of the 8B shape with its MLPs split over CP = 2 ranks reduces a b x 4096 fp32 partial (16 kB at
-batch 1) in each of its 32 layers; an NCCL collective of that size cost ~7.6 us in a graphed step on 2 x H200 (the
-tree merge's all-gather, docs/decode.md), the peer merge's flag rounds ~1.5 us (kernels/peer_merge.py).
+batch 1) in each of its 32 layers. Measured (`megatron-cp-bench peer-sum`, 2 x H100, graphed, per call): this kernel
+9.75 us at batch 1 and 9.9 at batch 8, NCCL's all-reduce followed by the adds 18.1 and 18.9.
 
 Each rank's fc2 GEMV writes its partial [rows, n] fp32 into its own symmetric buffer (symmetric.py). Then program
 i of this kernel, for the elements [i * BLOCK, (i + 1) * BLOCK) of the rows x n partial:
