@@ -92,7 +92,6 @@ class SplitMLPs:
         fc2 = self.mlps[0].linear_fc2.weight
         acc = torch.float64 if fc2.dtype == torch.float64 else torch.float32
         self.reduce = _Reduce(group, rows, fc2.shape[0], acc, fc2.device, peer)
-        self.rows, self.peer = rows, peer
         self.fc1_weight, self.fc1_bias, self.fc2_weight = [], [], []
         for m in self.mlps:
             w1, b1, w2 = m.linear_fc1.weight, m.linear_fc1.bias, m.linear_fc2.weight
@@ -107,9 +106,6 @@ class SplitMLPs:
                 self.fc1_weight.append(w1.detach()[cols])
                 self.fc1_bias.append(None if b1 is None else b1.detach()[cols])
             self.fc2_weight.append(w2.detach()[:, cols])
-
-    def index(self, mlp) -> int:
-        return next(i for i, m in enumerate(self.mlps) if m is mlp)
 
     def weight_bytes_saved(self) -> int:
         """Bytes of MLP parameters this rank no longer reads a step (fc1's weight and bias, fc2's weight, less its
