@@ -42,6 +42,25 @@ class PeerBuffers:
     world: int
     handles: tuple
     """torch's symmetric-memory handles, kept alive with the mappings."""
+    fenced: bool = False
+    """Set by `fence`: the kernels on these buffers skip their done round (one flag round a call, not two)."""
+
+
+def fence(a: PeerBuffers, b: PeerBuffers) -> None:
+    """Let the kernels on two buffers skip their done rounds, where the caller calls them strictly alternately
+    (a, b, a, b, ...; the decode step's peer merge of each layer's attention and peer sum of its MLP), with the
+    same shapes on every rank.
+
+    Why that is safe: a rank writes its `a` partial for call k + 1 only after its `b` call k has ended, and every
+    program of that call passed its ready round, which needs every peer's ready signal of `b` call k; a peer
+    signals that only after its `a` call k has ended, that is after it read this rank's `a` partial of call k. So
+    no partial is overwritten while a peer reads it, and the same holds for `b` with the roles swapped. A flag is
+    never set twice before it is consumed, by the same argument. Stream order (and PDL's wait for the whole
+    preceding grid, kernels/_launch.py) orders a call after the kernels before it. Two flag rounds cost about an
+    NVLink round trip more each (docs/decode.md); a step of 32 layers makes 64 such calls."""
+    if a is b or a.world != b.world or a.rank != b.rank:
+        raise ValueError("fence: two different PeerBuffers of the same group and rank expected")
+    a.fenced = b.fenced = True
 
 
 def unsupported_reason(group, device: torch.device, *, collective: bool = False) -> str | None:

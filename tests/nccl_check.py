@@ -115,8 +115,71 @@ def decode_check(a, world, dev) -> int:
                 print(f"tree_decode {variant} P={world} S={a.seq} {case} h={h}/{hk}: o {max(every):.2e} "
                       f"(1GPU {e1:.2e})  {'ok' if ok else 'FAIL'}", flush=True)
     if peer_why is None:
-        failures += peer_graph_check(a, world, dev) + peer_sum_check(world, dev)
+        failures += peer_graph_check(a, world, dev) + peer_sum_check(world, dev) + fenced_pair_check(world, dev)
     return failures
+
+
+def fenced_pair_check(world, dev, layers=4, rows=32, d=128, n=4096, replays=200) -> int:
+    """The decode step's one-flag-round peer kernels (symmetric.fence): a CUDA graph of `layers` x (write the merge
+    partial, peer_merge, write the MLP partial, peer_sum), each kernel without its done round, replayed with new
+    partials each time; rank r sleeps a different while before each write, so the ranks drift apart as a step's
+    uneven layers make them. Every output against NCCL's all-gather / all-reduce of the same partials (a partial
+    overwritten while a peer read it would be the next layer's or replay's, wrong by O(1))."""
+    from megatron_cp_plugin.kernels.peer_merge import peer_merge, peer_merge_reference
+    from megatron_cp_plugin.kernels.peer_sum import peer_sum
+    from megatron_cp_plugin.symmetric import fence, peer_buffers
+
+    rank = dist.get_rank()
+    bm = peer_buffers(dist.group.WORLD, rows * (d + 1), dev)
+    bs = peer_buffers(dist.group.WORLD, n, dev)
+    fence(bm, bs)
+    mparts = [torch.empty(rows * (d + 1), device=dev) for _ in range(layers)]
+    sparts = [torch.empty(1, n, device=dev) for _ in range(layers)]
+    outs = [(torch.empty(rows, d, device=dev), torch.empty(rows, device=dev), torch.empty(1, n, device=dev))
+            for _ in range(layers)]
+
+    def step():
+        for x in range(layers):
+            torch.cuda._sleep(2000 * ((rank + x) % world))             # ~1 us a unit on H100s: ranks drift
+            bm.data[:rows * (d + 1)].copy_(mparts[x])                   # what the split-KV combine writes
+            peer_merge(bm, rows, d, outs[x][0], outs[x][1])
+            torch.cuda._sleep(2000 * ((rank + x + 1) % world))
+            bs.data[:n].copy_(sparts[x].view(-1))                       # what fc2's GEMV writes
+            peer_sum(bs, 1, n, outs[x][2])
+
+    pg = torch.Generator(device=dev).manual_seed(300 + rank)
+
+    def fresh():
+        for m, p in zip(mparts, sparts):
+            m.copy_(torch.randn(m.shape, device=dev, generator=pg))
+            m[rows * d:].mul_(4)                                        # lse spread: the merge weights matter
+            p.copy_(torch.randn(p.shape, device=dev, generator=pg))
+
+    fresh()
+    graphs = []
+    replay = graphed(step, graphs)
+    if replay is None:
+        return 1
+    worst = 0.0
+    for _ in range(replays):
+        fresh()
+        replay()
+        for m, p, (o, lse, y) in zip(mparts, sparts, outs):
+            every = [torch.empty_like(m) for _ in range(world)]
+            dist.all_gather(every, m)
+            ref_o, ref_l = peer_merge_reference(torch.stack(every), d)
+            s = p.clone()
+            dist.all_reduce(s)
+            worst = max(worst, (o - ref_o).abs().max().item(), (lse - ref_l).abs().max().item(),
+                        ((y - s).abs() / s.abs().clamp(min=1e-3)).max().item())
+    every = [None] * world
+    dist.all_gather_object(every, worst)
+    ok = max(every) <= 1e-4
+    if rank == 0:
+        print(f"fenced peer merge + peer sum P={world}: one flag round each, CUDA graph of {layers} layers x "
+              f"{replays} replays against NCCL: worst {max(every):.2e}  {'ok' if ok else 'FAIL'}", flush=True)
+    graphs.clear()
+    return int(not ok)
 
 
 def peer_sum_check(world, dev, n=4096, calls=3, replays=200) -> int:

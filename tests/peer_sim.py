@@ -20,4 +20,4 @@ def bufs(data: list[torch.Tensor], flags: list[torch.Tensor], rank: int) -> Simp
     dev = data[0].device
     ptrs = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device=dev)  # noqa: E731
     return SimpleNamespace(data=data[rank], flags=flags[rank], data_ptrs=ptrs(data), flag_ptrs=ptrs(flags),
-                           rank=rank, world=len(data))
+                           rank=rank, world=len(data), fenced=False)

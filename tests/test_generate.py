@@ -115,6 +115,7 @@ def _static(rank, world, algo, temperature=0.0, prompt_len=L, decoder="tree", va
     # Unless told, P > 1 splits every MLP: this rank's fc1 rows and fc2 columns, ffn / P of them (a gated fc1 both
     # halves' share), views of the model's weights except a gated fc1.
     assert dec.mlp == (mlp or ("split" if world > 1 else "whole"))
+    assert dec.peer_rounds == 2                     # gloo: no NVLink peer kernels, so nothing to fence
     ffn = model.decoder.layers[0].mlp.linear_fc2.weight.shape[1]
     for w1, w2 in zip(dec.split.fc1_weight, dec.split.fc2_weight) if dec.split else ():
         assert w2.shape[1] in (ffn // world, -(-ffn // world)) and w1.shape[0] == (2 if gated else 1) * w2.shape[1]
@@ -190,6 +191,8 @@ def _static_bad(rank, world, case):
                                           ({"decoder": "sdpa"}, "P = 1 only"),
                                           ({"top_p": 0.0}, "top_p"), ({"capacity": 0}, "capacity"),
                                           ({"mlp": "half"}, "mlp must be"),
+                                          ({"peer_rounds": 3}, "peer_rounds must be"),
+                                          ({"peer_rounds": 1}, "peer_rounds=1 needs the 'peer' tree merge"),
                                           ({}, "capacity")])    # 8 + 4 tokens need 6 slots per rank, not 4
 def test_static_bad_input(pools, case, needle):
     out = pools(2).run_outcomes(_static_bad, case, timeout=60)

@@ -67,6 +67,39 @@ def test_merges_every_ranks_partial_and_signals_both_phases(P, R, d, rank):
     torch.testing.assert_close(ref_o[fin], (o_all * w[..., None]).sum(0)[fin])
 
 
+@pytest.mark.parametrize("how", ["fenced", "done=False"])
+def test_fenced_buffers_make_the_ready_round_only(how):
+    """Buffers fenced with another kernel's (symmetric.fence, the decode step's alternating merge and sum) make one
+    flag round: the ready flags consumed here and set in every peer, the done phase untouched on every rank (a
+    done signal with no waiter would be left set and let a later call pass before its peers)."""
+    P, R, d, rank = 3, 37, 64, 1
+    data, flags = _ranks(P, R, d, seed=5)
+    n_prog = -(-R // pm.block_rows(R, PROGRAMS))
+    peers = [p for p in range(P) if p != rank]
+    flags[rank][0, :n_prog, peers] = 1                      # the peers' ready signals only
+    b = _bufs(data, flags, rank)
+    b.fenced = how == "fenced"
+    out, lse = torch.empty(R, d, device=DEV), torch.empty(R, device=DEV)
+    pm.peer_merge(b, R, d, out, lse, **({"done": False} if how == "done=False" else {}))
+    ref_o, _ = pm.peer_merge_reference(torch.stack([t[:R * (d + 1)] for t in data]).double(), d)
+    torch.testing.assert_close(out.double(), ref_o, atol=1e-5, rtol=1e-5)
+    assert int(flags[rank].sum()) == 0
+    for p in peers:
+        assert int(flags[p][0, :n_prog, rank].sum()) == n_prog and int(flags[p].sum()) == n_prog
+
+
+def test_fence_takes_two_buffers_of_one_rank():
+    from megatron_cp_plugin.symmetric import fence
+    data, flags = _ranks(2, 4, 64, seed=1)
+    a, b = _bufs(data, flags, 0), _bufs(data, flags, 0)
+    for x, y in ((a, a), (a, _bufs(data, flags, 1))):
+        with pytest.raises(ValueError, match="two different PeerBuffers"):
+            fence(x, y)
+    assert not a.fenced and not b.fenced
+    fence(a, b)
+    assert a.fenced and b.fenced
+
+
 def test_agrees_with_the_allgather_merge_kernel():
     """The same partials through merge_packed (the all-gather variant's merge) give the same rows."""
     data, flags = _ranks(2, 32, 128, seed=3)

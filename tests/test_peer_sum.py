@@ -57,6 +57,21 @@ def test_sums_every_ranks_partial_adds_bias_and_residual_and_signals_both_phases
         assert int(flags[p][:, :n_prog, rank].sum()) == 2 * n_prog and int(flags[p].sum()) == 2 * n_prog
 
 
+def test_without_the_done_round_only_the_ready_flags_move():
+    """done=False (fenced buffers, symmetric.fence): the ready flags consumed here and set in every peer, the done
+    phase untouched."""
+    P, rows, n, rank = 3, 2, 1000, 2
+    data, flags = _ranks(P, rows * n, seed=4)
+    n_prog = -(-rows * n // ps.block_elems(rows * n, PROGRAMS))
+    peers = [p for p in range(P) if p != rank]
+    flags[rank][0, :n_prog, peers] = 1
+    out = ps.peer_sum(_bufs(data, flags, rank), rows, n, torch.empty(rows, n, device=DEV), done=False)
+    assert torch.equal(out, ps.peer_sum_reference(torch.stack([t[:rows * n] for t in data]), rows, n))
+    assert int(flags[rank].sum()) == 0
+    for p in peers:
+        assert int(flags[p][0, :n_prog, rank].sum()) == n_prog and int(flags[p].sum()) == n_prog
+
+
 def test_the_sum_is_the_same_bits_on_every_rank():
     """Every rank sums in rank order: the P outputs are equal bit for bit (the decode step's ranks must sample the
     same token)."""

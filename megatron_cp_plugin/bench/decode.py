@@ -105,6 +105,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--mlp", nargs="+", choices=("split", "whole"), default=None,
                    help="the step's MLPs split over the CP ranks or whole on each, each timed side by side at P > 1 "
                    "(default: the decoder's choice, split at P > 1; --profile takes the first)")
+    g.add_argument("--peer-rounds", type=int, nargs="+", choices=(1, 2), default=None,
+                   help="flag rounds of the NVLink peer kernels, each timed side by side at P > 1 where the 'peer' "
+                   "merge and split MLPs alternate (symmetric.fence; default: the decoder's choice, 1 there)")
     g.add_argument("--pdl", choices=("on", "off", "both"), default="on",
                    help="programmatic dependent launch of the step's kernels (kernels/_launch.pdl; Hopper and "
                    "newer): both times each graphed row with it and again without ('graph-nopdl')")

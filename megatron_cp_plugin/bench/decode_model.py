@@ -262,10 +262,12 @@ def model_bench(a, rank: int, world: int, dev, bw: float | None) -> list[dict]:
         emit({"what": "tokens graph == eager", "context": a.check_context, "batch": 1, "decoder": "tree",
               "mode": "graph vs eager", "not_run": no_graph}, f"token check graph == eager: {no_graph}")
     # 2. latency per configuration, the cache filled with random K, V.
-    runs = [(*c, v, m) for c in latency_configs(a, dev, world)
+    runs = [(*c, v, m, r) for c in latency_configs(a, dev, world)
             for v in (a.variants if c[2] == "tree" and world > 1 and a.variants else [None])
-            for m in (a.mlp if world > 1 and a.mlp else [None])]
-    for n, b, decoder, mode, refused, variant, mlp in runs:
+            for m in (a.mlp if world > 1 and a.mlp else [None])
+            for r in (a.peer_rounds if world > 1 and a.peer_rounds else [None])
+            if r != 1 or (c[2] == "tree" and v in (None, "peer") and m != "whole")]
+    for n, b, decoder, mode, refused, variant, mlp, rounds in runs:
         steps = a.tokens if mode == "graph" else max(4, a.tokens // 4)
         cap = latency_capacity(n, steps, world)
         row = {"what": "latency (random K, V cache)", "context": n, "batch": b, "decoder": decoder, "mode": mode}
@@ -273,6 +275,8 @@ def model_bench(a, rank: int, world: int, dev, bw: float | None) -> list[dict]:
             row["variant_asked"] = variant
         if mlp is not None:
             row["mlp_asked"] = mlp
+        if rounds is not None:
+            row["peer_rounds_asked"] = rounds
         # refused is the same on every rank, so either all of them or none take part in not_fitting's gather.
         why = refused or not_fitting(config_bytes(a, batch=b, capacity=cap, world=world, decoder=decoder,
                                                   graphed=is_graphed(mode)), dev, group)
@@ -281,21 +285,30 @@ def model_bench(a, rank: int, world: int, dev, bw: float | None) -> list[dict]:
             emit(row, f"{n:>8} b={b} {decoder:4s} {mode:5s} {why}")
             continue
         with pdl_for(mode):
-            dec = StaticDecoder(model, group, batch=b, capacity=cap, decoder=decoder, graphed=is_graphed(mode),
-                                variant=variant, mlp=mlp)
+            try:
+                dec = StaticDecoder(model, group, batch=b, capacity=cap, decoder=decoder, graphed=is_graphed(mode),
+                                    variant=variant, mlp=mlp, peer_rounds=rounds)
+            except ValueError as e:             # peer_rounds=1 where the merge is not "peer": the same on every rank
+                if rounds != 1:
+                    raise
+                row["not_run"] = str(e)
+                emit(row, f"{n:>8} b={b} {decoder:4s} {mode:5s} {e}")
+                _release()
+                continue
             dec.fill_random(n, seed=n)
             dec.tokens.copy_(torch.randint(0, VOCAB, (b, 1), generator=torch.Generator().manual_seed(n)).to(dev))
             ms = _timed(dec, steps)
         kv = -(-(n + steps // 2) // world) * dec.cache.bytes_per_token()
         read = dec.weight_bytes_read()
         floor = decode_floor(read, kv, bw) * 1e3 if bw else float("nan")
-        row.update(variant=dec.variant or "-", mlp=dec.mlp, ms_per_token=ms, tokens_per_s=b * 1e3 / ms,
+        row.update(variant=dec.variant or "-", mlp=dec.mlp, peer_rounds=dec.peer_rounds, ms_per_token=ms,
+                   tokens_per_s=b * 1e3 / ms,
                    floor_ms=floor, x_floor=ms / floor, weights_GB=read / 1e9, kv_shard_GB=kv / 1e9)
         dec.close()
         dec = None                                              # the cache goes before the next one is made
         _release()
         emit(row, f"{n:>8} b={b} {decoder:4s} {mode:5s} {row['variant']:10s} mlp {row['mlp']:5s} "
-                  f"{ms:8.2f} ms/token "
+                  f"rounds {row['peer_rounds']} {ms:8.2f} ms/token "
                   f"{row['tokens_per_s']:8.1f} tokens/s  floor {floor:6.2f} ms  x{ms / floor:.2f}")
     for n in a.context:                                         # tree vs ring, graphed, batch 1
         t = {r["decoder"]: r["ms_per_token"] for r in rows if r.get("context") == n and r.get("batch") == 1

@@ -158,7 +158,7 @@ def _generate(args) -> None:
         weights = dec.weight_bytes_read()
         if rank == 0:
             how = f"tree, merge {dec.variant_note}" if args.decoder == "tree" and P > 1 else args.decoder
-            how += f", MLPs {dec.mlp}"
+            how += f", MLPs {dec.mlp}" + (", peer kernels in one flag round" if dec.peer_rounds == 1 else "")
             print(f"megatron-cp-generate: {world} ranks (CP {P}), prefill {cp_cfg.algo}, decode {how}, "
                   f"{'CUDA graph' if graphed else 'eager'}, batch {args.batch_size}, prompt {len(ids)} tokens, "
                   f"{args.max_new_tokens} new")
@@ -173,7 +173,8 @@ def _generate(args) -> None:
             if args.result_json:
                 with open(args.result_json, "w") as f:
                     json.dump({"tokens": out.tolist(), "world": world, "decoder": args.decoder,
-                               "variant": dec.variant, "mlp": dec.mlp, "graphed": graphed, "prompt_tokens": len(ids),
+                               "variant": dec.variant, "mlp": dec.mlp, "peer_rounds": dec.peer_rounds,
+                               "graphed": graphed, "prompt_tokens": len(ids),
                                "batch": args.batch_size, "distinct_tokens": distinct(out),
                                "random_weights": not args.load, "prefill_s": t["prefill_s"], "token_ms": lat,
                                "median_token_ms": med, "weight_bytes": weights, "kv_shard_bytes": kv,

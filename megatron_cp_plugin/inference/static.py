@@ -36,7 +36,7 @@ from ..algos.ring_decode import ring_decode
 from ..algos.tree_decode import VARIANTS, tree_decode
 from ..kernels.flash_decode import HEAD_DIMS, Workspace
 from ..kernels.flash_decode import available as flash_available
-from ..symmetric import unsupported_reason
+from ..symmetric import fence, unsupported_reason
 from ..kernels.local_attn import sdpa_over_cache
 from ..kernels.rope_append import rope_append
 from ..sharding import sequence_positions
@@ -91,12 +91,14 @@ class StaticDecoder:
     tree_decode's merge (None: the cost model's choice); graphed: capture the step as a CUDA graph (default on
     GPUs); temperature (0: greedy), top_p, seed: sampling; mlp: "split" (each MLP's weights split over the CP
     ranks, one reduce a layer: inference/split_mlp.py), "whole" (every rank runs every MLP whole) or None: "split"
-    where P > 1 and the model's MLPs can be split.
+    where P > 1 and the model's MLPs can be split; peer_rounds: flag rounds of each NVLink peer kernel call, 2
+    (ready, done) or 1 (ready only: `symmetric.fence`, where the "peer" merge and the split MLPs' peer sum alternate
+    in every layer), None: 1 where they alternate, else 2.
     """
 
     def __init__(self, model, cp_group, *, batch: int, capacity: int, decoder: str = "tree",
                  variant: str | None = None, graphed: bool | None = None, temperature: float = 0.0,
-                 top_p: float = 1.0, seed: int = 0, mlp: str | None = None):
+                 top_p: float = 1.0, seed: int = 0, mlp: str | None = None, peer_rounds: int | None = None):
         from ..megatron.attention import CPCoreAttention
         from .split_mlp import SplitMLPs, splittable_mlps
 
@@ -151,6 +153,7 @@ class StaticDecoder:
             why = self._peer_unsupported()
             if why is not None:
                 raise ValueError(f"variant 'peer' needs one NVLink node, one GPU a rank: {why}")
+        self.peer_rounds = self._rounds(peer_rounds)
         dev, long = self.device, torch.long
         self.tokens = torch.zeros(batch, 1, dtype=long, device=dev)        # the token fed to the step
         self.position = torch.zeros(1, dtype=long, device=dev)              # its global position
@@ -182,6 +185,29 @@ class StaticDecoder:
             return f"the split-KV kernel takes head_dim {HEAD_DIMS} and no fp64 (here {self.head_dim}, " \
                    f"{self.cache.k.dtype})"
         return self._symmetric
+
+    def _rounds(self, given: int | None) -> int:
+        """Flag rounds of the peer kernels' calls: 1 where every layer's "peer" merge alternates with its MLP's peer
+        sum (symmetric.fence), else 2; a given 1 where they do not is refused (ValueError)."""
+        if given not in (None, 1, 2):
+            raise ValueError(f"peer_rounds must be 1, 2 or None, got {given!r}")
+        alternate = (self.decoder == "tree" and self.variant == "peer" and self.world > 1 and self.split is not None
+                     and self.split.reduce.bufs is not None and len(self.split.mlps) == len(self.owners))
+        if given == 1 and not alternate:
+            raise ValueError("peer_rounds=1 needs the 'peer' tree merge and split MLPs summed over NVLink in every "
+                             f"layer (P > 1, one NVLink node); here decoder {self.decoder!r}, variant "
+                             f"{self.variant!r}, P = {self.world}, mlp {self.mlp!r}, peer sum "
+                             f"{self.split is not None and self.split.reduce.bufs is not None}")
+        return 1 if alternate and given != 2 else 2
+
+    def _fence(self) -> None:
+        """With peer_rounds 1, once the step has made the merge's symmetric buffers (its first call), fence them with
+        the MLPs' sum buffers: the calls after this make one flag round each."""
+        if self.peer_rounds != 1:
+            return
+        merge = self.workspace.kept("tree_decode.peer")
+        if merge is not None and not merge.fenced:
+            fence(merge, self.split.reduce.bufs)
 
     def _choose_variant(self, context: int) -> tuple[str, str]:
         from .. import cost as cm
@@ -297,6 +323,7 @@ class StaticDecoder:
             for _ in range(WARMUP_STEPS):
                 self._body()
         torch.cuda.current_stream().wait_stream(side)
+        self._fence()
         self.reset(*state[:2])
         self.tokens.copy_(state[2])
         graph = torch.cuda.CUDAGraph()
@@ -319,6 +346,7 @@ class StaticDecoder:
         else:
             with self._swapped():
                 self._body()
+            self._fence()
         self.fill_host += int(self.position_host % self.world == self.rank)
         self.position_host += 1
 

@@ -243,6 +243,10 @@ class Workspace:
             obj = self._kept[name] = make()
         return obj
 
+    def kept(self, name: str):
+        """The object kept under `name`, or None."""
+        return self._kept.get(name)
+
     def take(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A buffer of at least `numel` elements of dtype on device (its first numel)."""
         buf = self.keep(name, device, lambda: torch.empty(numel, dtype=dtype, device=device),

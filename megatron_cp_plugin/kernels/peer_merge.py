@@ -83,7 +83,7 @@ if triton is not None:
     def _peer_merge_kernel(DATA_PTRS, FLAG_PTRS, OUT, LSE, RANK, WORLD, R,
                            PP: tl.constexpr, W: tl.constexpr, NPROG: tl.constexpr, BLOCK_R: tl.constexpr,
                            D: tl.constexpr, COMPILED: tl.constexpr, LIMIT: tl.constexpr,
-                           PDL: tl.constexpr = False):
+                           PDL: tl.constexpr = False, DONE: tl.constexpr = True):
         if PDL:                                     # (_launch.pdl) the partials come from the kernel before
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
@@ -113,8 +113,9 @@ if triton is not None:
         tl.store(OUT + rows[:, None] * D + dims[None, :], out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
         tl.store(LSE + rows, tl.where(tot > 0, m_ref + tl.log(tot), float("-inf")), mask=row_ok)
         # 3. done: every peer has read this rank's rows (its loads fed the stores above).
-        tl.debug_barrier()
-        _signal_and_wait(FLAG_PTRS, RANK, WORLD, NPROG + pid, PP, W, COMPILED, LIMIT)
+        if DONE:
+            tl.debug_barrier()
+            _signal_and_wait(FLAG_PTRS, RANK, WORLD, NPROG + pid, PP, W, COMPILED, LIMIT)
 
 
 def block_rows(rows: int, programs: int) -> int:
@@ -123,10 +124,12 @@ def block_rows(rows: int, programs: int) -> int:
     return max(4, triton.next_power_of_2(-(-rows // programs)))
 
 
-def peer_merge(bufs, rows: int, d: int, out: torch.Tensor, out_lse: torch.Tensor):
+def peer_merge(bufs, rows: int, d: int, out: torch.Tensor, out_lse: torch.Tensor, *, done: bool | None = None):
     """Merge every rank's packed partial in bufs.data[:rows * (d + 1)] (o rows [rows, d] fp32, then lse [rows])
     into out [rows, d] (any float dtype, contiguous) and out_lse [rows] fp32, on every rank; one kernel. Every rank
-    of the group calls it with the same rows, in the same order as its other calls of it."""
+    of the group calls it with the same rows, in the same order as its other calls of it. done: make the done round
+    (step 3); None: unless `bufs.fenced` (symmetric.fence: another kernel's ready round orders these reads before
+    any rank's next write of its buffer)."""
     if bufs.data.numel() < rows * (d + 1) or tuple(out.shape) != (rows, d) or not out.is_contiguous() \
             or tuple(out_lse.shape) != (rows,) or out_lse.dtype != torch.float32:
         raise ValueError(f"peer_merge: a buffer of >= {rows * (d + 1)} fp32, out [{rows}, {d}] contiguous and "
@@ -138,5 +141,6 @@ def peer_merge(bufs, rows: int, d: int, out: torch.Tensor, out_lse: torch.Tensor
     pdl = _launch.pdl(out.device)
     _launch.launch(_peer_merge_kernel, (n,), bufs.data_ptrs, bufs.flag_ptrs, out, out_lse, bufs.rank, bufs.world,
                    rows, PP=width, W=width, NPROG=programs, BLOCK_R=br, D=d, LIMIT=SPIN_LIMIT,
-                   COMPILED=os.environ.get("TRITON_INTERPRET") != "1", PDL=pdl, launch_pdl=pdl, num_warps=4)
+                   COMPILED=os.environ.get("TRITON_INTERPRET") != "1", PDL=pdl,
+                   DONE=not bufs.fenced if done is None else done, launch_pdl=pdl, num_warps=4)
     return out, out_lse

@@ -59,7 +59,7 @@ if triton is not None:
     def _peer_sum_kernel(DATA_PTRS, FLAG_PTRS, OUT, BIAS, RES, RANK, WORLD, NUMEL, N,
                          HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, PP: tl.constexpr, W: tl.constexpr,
                          NPROG: tl.constexpr, BLOCK: tl.constexpr, COMPILED: tl.constexpr, LIMIT: tl.constexpr,
-                         PDL: tl.constexpr = False):
+                         PDL: tl.constexpr = False, DONE: tl.constexpr = True):
         if PDL:                                     # (_launch.pdl) the partials come from the GEMV before
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
@@ -80,8 +80,9 @@ if triton is not None:
             acc += tl.load(RES + idx, mask=ok, other=0.0).to(tl.float32)
         tl.store(OUT + idx, acc.to(OUT.dtype.element_ty), mask=ok)
         # 3. done: every peer has read this rank's elements (its loads fed the store above).
-        tl.debug_barrier()
-        _signal_and_wait(FLAG_PTRS, RANK, WORLD, NPROG + pid, PP, W, COMPILED, LIMIT)
+        if DONE:
+            tl.debug_barrier()
+            _signal_and_wait(FLAG_PTRS, RANK, WORLD, NPROG + pid, PP, W, COMPILED, LIMIT)
 
 
 def block_elems(numel: int, programs: int) -> int:
@@ -91,11 +92,12 @@ def block_elems(numel: int, programs: int) -> int:
 
 
 def peer_sum(bufs, rows: int, n: int, out: torch.Tensor, bias: torch.Tensor | None = None,
-             residual: torch.Tensor | None = None) -> torch.Tensor:
+             residual: torch.Tensor | None = None, *, done: bool | None = None) -> torch.Tensor:
     """Sum every rank's fp32 partial in bufs.data[:rows * n] ([rows, n] row-major) into out [rows, n] (a float
     dtype, contiguous), + bias [n] and + residual [rows, n] (out's dtype, contiguous) where given, rounded once; on
     every rank, one kernel. Every rank of the group calls it with the same rows and n, in the same order as its
-    other calls of the symmetric kernels on these buffers."""
+    other calls of the symmetric kernels on these buffers. done: make the done round (step 3); None: unless
+    `bufs.fenced` (symmetric.fence)."""
     def bad(t, shape):
         return t is not None and (tuple(t.shape) != shape or t.dtype != out.dtype or not t.is_contiguous()
                                   or t.device != out.device)
@@ -115,5 +117,5 @@ def peer_sum(bufs, rows: int, n: int, out: torch.Tensor, bias: torch.Tensor | No
                    out if bias is None else bias, out if residual is None else residual, bufs.rank, bufs.world,
                    numel, n, HAS_BIAS=bias is not None, HAS_RES=residual is not None, PP=width, W=width,
                    NPROG=programs, BLOCK=block, LIMIT=SPIN_LIMIT, COMPILED=os.environ.get("TRITON_INTERPRET") != "1",
-                   PDL=pdl, launch_pdl=pdl, num_warps=4)
+                   PDL=pdl, DONE=not bufs.fenced if done is None else done, launch_pdl=pdl, num_warps=4)
     return out
