@@ -82,6 +82,13 @@ def test_the_peer_variant_is_a_candidate_only_where_asked_and_within_a_node():
     assert cm.decode_step_time(m, 131072, 1, hw, mlp="split") == cm.decode_step_time(m, 131072, 1, hw)
     with pytest.raises(ValueError, match="mlp must be"):
         cm.decode_step_time(m, 131072, 2, hw, mlp="half")
+    # One flag round a peer call where the merge and the sum alternate: 64 rounds of PEER_SIGNAL_S fewer a step.
+    one = cm.decode_step_time(m, 131072, 2, hw, method=cm.PEER_METHOD, mlp="split", peer_rounds=1)
+    assert split["total"] - one["total"] == pytest.approx(64 * cm.PEER_SIGNAL_S) and one["floor"] == split["floor"]
+    for bad in ({"peer_rounds": 3}, {"peer_rounds": 1, "mlp": "whole", "method": cm.PEER_METHOD},
+                {"peer_rounds": 1, "mlp": "split"}):
+        with pytest.raises(ValueError, match="peer_rounds must be"):
+            cm.decode_step_time(m, 131072, 2, hw, **bad)
 
 
 def test_decode_step_model_against_the_measured_steps():
@@ -96,15 +103,17 @@ def test_decode_step_model_against_the_measured_steps():
 
     measured = load_measured(MEASURED)
     for key in ("decode_step", "decode_step_h200", "decode_step_h200_peer", "decode_step_h100_split",
-                "decode_step_h200_split"):
+                "decode_step_h200_split", "decode_step_h200_rounds"):
         meas = measured[key]
         m = DecodeModel(**meas["model"])
         assert abs(m.weight_bytes() - 10.21e9) < 0.005e9
         for i, (r, p) in enumerate(decode_step_rows(meas)):
             fitted = key == "decode_step" and i < 2
-            # The peer set: 7 %. Its 512k allgather row is 6.1 % over: 34 GB of KV a step read faster than the
-            # run's own bandwidth figure (4.21 TB/s) allows, and the graphed all-gather modelled above its profile.
-            bar = 0.02 if fitted else 0.07 if key == "decode_step_h200_peer" else 0.06
+            # 512k on H200s: 7 %. Those rows are 4-7 % over: 34 GB of KV a step read faster than the run's own
+            # bandwidth figure (4.18-4.21 TB/s) allows (and the peer set's graphed all-gather modelled above its
+            # profile).
+            h200_512k = meas["hardware"] == "h200-nvlink" and r["context"] >= 524288
+            bar = 0.02 if fitted else 0.07 if h200_512k else 0.06
             assert abs(p["total"] * 1e3 / r["ms"] - 1) <= bar, (key, r, p)
             assert p["floor"] < p["total"] and (p["exchange"] > 0) == (r["world"] > 1)
         pairs = {}
@@ -117,6 +126,13 @@ def test_decode_step_model_against_the_measured_steps():
             halves.setdefault((r["context"], r.get("batch", 1)), {})[r.get("mlp")] = (r["ms"], p["total"])
         for both in (x for x in halves.values() if {"whole", "split"} <= set(x)):   # split faster, measured and model
             assert both["split"][0] < both["whole"][0] and both["split"][1] < both["whole"][1]
+        rounds = {}
+        for r, p in decode_step_rows(meas):
+            if r.get("mlp") == "split":
+                key = (r["context"], r.get("batch", 1))
+                rounds.setdefault(key, {})[r.get("peer_rounds", 2)] = (r["ms"], p["total"])
+        for both in (x for x in rounds.values() if {1, 2} <= set(x)):  # one flag round faster, measured and model
+            assert both[1][0] < both[2][0] and both[1][1] < both[2][1]
     on, off = (decode_step_time(m, 32768, 1, HARDWARE["h200-nvlink"], pdl=x)["total"] for x in (True, False))
     assert 0.1e-3 < off - on < 0.3e-3                           # 0.21 ms measured on one H100 and one H200
     with pytest.raises(ValueError, match="mem_bw must be positive"):

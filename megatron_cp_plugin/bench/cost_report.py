@@ -304,7 +304,8 @@ def decode_step_rows(meas: dict) -> list[tuple[dict, dict]]:
     return [(r, decode_step_time(m, r["context"], r["world"], hw, batch=r.get("batch", 1),
                                  mem_bw=r.get("mem_bw", meas["mem_bw"]), pdl=r.get("pdl", meas["pdl"]),
                                  small_per_layer=r.get("small_per_layer", meas["small_per_layer"]),
-                                 method=r.get("method", "tree-allgather"), mlp=r.get("mlp", "whole")))
+                                 method=r.get("method", "tree-allgather"), mlp=r.get("mlp", "whole"),
+                                 peer_rounds=r.get("peer_rounds", 2)))
             for r in meas["rows"]]
 
 
@@ -318,11 +319,14 @@ def table_decode_step() -> list[Table]:
     for key, what in (("decode_step", "constants fitted on the first two rows"),
                       ("decode_step_h200", "a check: nothing fitted on it"),
                       ("decode_step_h200_peer", "per-device GEMV blocks, allgather against peer in one run; a "
-                                                "check (PEER_SIGNAL_S comes from this run's 128k pair and an "
-                                                "earlier profile)"),
+                                                "check (PEER_SIGNAL_S was fitted on its 128k pair until the "
+                                                "thirteenth session)"),
                       ("decode_step_h100_split", "the MLPs whole against split over the CP ranks in one run; a check "
                                                  "(PEER_SUM_S is the peer-sum benchmark's figure)"),
-                      ("decode_step_h200_split", "the same on H200s, batch 8 included; a check")):
+                      ("decode_step_h200_split", "the same on H200s, batch 8 included; a check"),
+                      ("decode_step_h200_rounds", "split MLPs with the peer kernels in two flag rounds against one "
+                                                  "(symmetric.fence); PEER_SIGNAL_S is this run's 128k batch-1 "
+                                                  "pair, the rest a check")):
         meas = measured[key]
         m = DecodeModel(**meas["model"])
         rows = []
@@ -330,6 +334,7 @@ def table_decode_step() -> list[Table]:
             rows.append({"CP": r["world"], "context": _k(r["context"]), "batch": r.get("batch", 1),
                          "merge": r.get("method", "tree-allgather")[5:] if r["world"] > 1 else "-",
                          "MLPs": r.get("mlp", "whole") if r["world"] > 1 else "-",
+                         "rounds": r.get("peer_rounds", 2) if r.get("method") == "tree-peer" else "-",
                          "PDL": "on" if r.get("pdl", meas["pdl"]) else "off",
                          "TB/s": r.get("mem_bw", meas["mem_bw"]) / 1e12, "measured ms": r["ms"],
                          "predicted ms": p["total"] * 1e3, "error": p["total"] * 1e3 / r["ms"] - 1,
@@ -346,14 +351,15 @@ def table_decode_step() -> list[Table]:
                 one = decode_step_time(m, S, 1, HARDWARE[name])["total"]
                 for mlp in ("whole", "split") if P > 1 else ("whole",):
                     p = decode_step_time(m, S, P, HARDWARE[name], method="tree-peer" if P > 1 else "tree-allgather",
-                                         mlp=mlp)
+                                         mlp=mlp, peer_rounds=1 if mlp == "split" and P > 1 else 2)
                     rows.append({"hardware": name, "CP": P, "context": _k(S), "MLPs": mlp if P > 1 else "-",
                                  "ms": p["total"] * 1e3, "floor ms": p["floor"] * 1e3,
                                  "x floor": p["total"] / p["floor"], "tokens/s over CP = 1": one / p["total"]})
     out.append(Table("decode step predicted (the 8B shape, batch 1, graphed, tree peer at P > 1 (one node), the MLPs "
                      "whole on every rank or split over the CP ranks (the static decoder's default at P > 1; the "
-                     "floor then counts a rank's share); the fused linears with the residual adds inside: 4 small "
-                     "kernels a layer; PDL; hw.mem_bw as the floor's bandwidth)", rows,
+                     "floor then counts a rank's share; the peer kernels then in one flag round, symmetric.fence); "
+                     "the fused linears with the residual adds inside: 4 small kernels a layer; PDL; hw.mem_bw as the "
+                     "floor's bandwidth)", rows,
                      {c: (lambda v: f"{v:.2f}") for c in ("ms", "floor ms", "x floor", "tokens/s over CP = 1")}))
     return out
 

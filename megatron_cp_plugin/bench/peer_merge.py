@@ -12,6 +12,7 @@ ranks sharing a GPU, one rank) it says why and exits 0.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from megatron_cp_plugin.bench import _peer
 from megatron_cp_plugin.bench._common import gather_max
@@ -45,7 +46,7 @@ def main(argv=None):
 
         def gathered():
             for _ in range(a.layers):
-                out = fd.merge_packed(all_gather(None, packed), d)
+                out = fd.merge_packed(all_gather(dist.group.WORLD, packed), d)
             return out
 
         peer()

@@ -22,13 +22,13 @@ PEER_METHOD = "tree-peer"
 """tree_decode's "peer" variant (kernels/peer_merge.py): no collective, one kernel that signals the peers, reads
 their partials over NVLink and merges. Only within one node, one GPU a rank, NCCL: not among DECODE_METHODS, which
 run anywhere; `choose_tree_variant(..., peer=True)` and `predict_decode` take it."""
-PEER_SIGNAL_S = 0.6e-6
-"""One flag round of the peer kernel (a remote atomic seen by the peer, and its wait), graphed or not; two a call
-(ready, done). Fitted, not measured alone: on 2 x H200 the graphed 8B-shape step at 128k took 5.50 ms with the
-peer kernel against 5.74 with allgather in one run (0.24 ms, 7.5 us a layer), and an earlier profile put
-allgather's NCCL all-gather + merge at 7.6 + 1.4 us a layer: ~1.5 us a call for the peer kernel, two rounds of
-~0.6 us and its read and merge. (This model's graphed all-gather is ~22 us a layer, above that profile's 9: the
-decode-step check sets absorb it; docs/cost_model.md.)"""
+PEER_SIGNAL_S = 2.8e-6
+"""One flag round of a peer kernel call in a graphed step (the remote atomics, seen by the peer, and the wait for
+them). Measured as a difference: on 2 x H200 (2026-11-27, the 8B shape, 128k, CP = 2, split MLPs) the step took
+4.86 ms with the peer merge and the peer sum in two rounds each and 4.68 ms in one (symmetric.fence: the done
+round dropped), over 64 calls a step; at batch 8 and at 512k the same run gave 3.0 and 2.7 us. The two-round merge
+had been credited ~0.6 us a round before, fitted on the step with the rest of the model's exchange
+(docs/cost_model.md)."""
 # Decode is launch-bound: its kernels take microseconds, and PyTorch's eager dispatch + CUDA launch costs ~5-10 us
 # each. Kernels per call, counted in algos/tree_decode.py: the local split-KV step 2, the max / weights / divide
 # of the all-reduce variants 14 (13 unpacked), allgather's fused merge of the gathered buffer 1 (the split-KV
@@ -105,10 +105,12 @@ def _ring_decode_msg(pb: DecodeProblem) -> int:
     return kv + (pb.batch * pb.shard * 8 if pb.positions else 0)
 
 
-def predict_decode(method: str, pb: DecodeProblem, hw: Hardware, *, graphed: bool = False) -> float:
+def predict_decode(method: str, pb: DecodeProblem, hw: Hardware, *, graphed: bool = False,
+                   peer_rounds: int = 2) -> float:
     """Predicted seconds of one decode call (one layer) of `method` on `hw`. Host overhead: LAUNCH_S per kernel
     eagerly; graphed (the step replayed as a CUDA graph): GRAPH_LAUNCH_S per kernel and collective latencies
-    scaled by GRAPH_LATENCY_RATIO; the peer kernel has no collective: PEER_SIGNAL_S per flag round."""
+    scaled by GRAPH_LATENCY_RATIO; the peer kernel has no collective: PEER_SIGNAL_S per flag round, peer_rounds of
+    them (2: ready and done; 1: fenced with the split MLPs' peer sum, symmetric.fence)."""
     if method not in DECODE_METHODS + (PEER_METHOD,):
         raise ValueError(f"method must be one of {DECODE_METHODS}, got {method!r}")
     P, acc = pb.world, 8 if pb.dtype_bytes == 8 else 4
@@ -130,8 +132,8 @@ def predict_decode(method: str, pb: DecodeProblem, hw: Hardware, *, graphed: boo
     o = pb.batch * pb.n_q * pb.heads * pb.head_dim * acc
     r = pb.batch * pb.heads * pb.n_q * acc
     if method == PEER_METHOD:
-        # Two flag rounds, the peers' partials read over NVLink (P - 1 reads at once), the merge's HBM traffic.
-        return (local + 2 * PEER_SIGNAL_S + (P - 1) * (o + r) / hw.intra_bw + launch
+        # The flag rounds, the peers' partials read over NVLink (P - 1 reads at once), the merge's HBM traffic.
+        return (local + peer_rounds * PEER_SIGNAL_S + (P - 1) * (o + r) / hw.intra_bw + launch
                 + (P + 1) * (o + r) / hw.mem_bw)
     if method == "tree-allgather":
         # One all-gather of every rank's packed (o, lse); one kernel reads the P partials and writes the output.
@@ -221,22 +223,24 @@ class DecodeModel:
 
 
 PEER_SUM_S = 9.8e-6
-"""One call of the split MLPs' NVLink reduce (kernels/peer_sum.py), graphed, its flag rounds and the wait for the
+"""One call of the split MLPs' NVLink reduce (kernels/peer_sum.py) in two flag rounds, graphed, the wait for the
 other rank included: `megatron-cp-bench peer-sum` on 2 x H100 (2026-11-27), 9.75 us at 1 row and 9.9 at 8 rows of
-4096 (NCCL's all-reduce + adds 18.1 / 18.9). Measured, not fitted on the step totals. It is 6x the ~1.5 us the
-peer merge was credited with (PEER_SIGNAL_S, inferred from a step difference, not timed alone: its own benchmark
-has not run), though both kernels make the same two flag rounds; which of the two figures is right is open."""
+4096 (NCCL's all-reduce + adds 18.1 / 18.9); 6.9 and 7.6 us on 2 x H200 (2026-11-27; all-reduce 18.1 / 19.6). The
+H100 figure is kept: the step sets of both machines stay within their bars with it. One round (fenced): this less
+PEER_SIGNAL_S."""
 
 
-def split_reduce_time(m: DecodeModel, world: int, hw: Hardware, *, batch: int = 1, peer: bool = True) -> float:
+def split_reduce_time(m: DecodeModel, world: int, hw: Hardware, *, batch: int = 1, peer: bool = True,
+                      peer_rounds: int = 2) -> float:
     """Seconds of one split MLP's reduce in a graphed step (every rank's fp32 b x hidden partial summed, fc2's bias
-    and the residual added): the peer kernel (kernels/peer_sum.py: PEER_SUM_S, measured, plus the peers' partials
-    read over NVLink beyond the measured 16 kB) or the group's all-reduce and three small kernels."""
+    and the residual added): the peer kernel (kernels/peer_sum.py: PEER_SUM_S, measured, in peer_rounds flag rounds,
+    plus the peers' partials read over NVLink beyond the measured 16 kB) or the group's all-reduce and three small
+    kernels."""
     part = batch * m.hidden * 4
     if world == 1:
         return 0.0
     if peer:
-        return PEER_SUM_S + (world - 1) * max(0, part - 4096 * 4) / hw.intra_bw
+        return PEER_SUM_S - (2 - peer_rounds) * PEER_SIGNAL_S + (world - 1) * max(0, part - 4096 * 4) / hw.intra_bw
     lk = phase_link([list(range(world))], hw, p2p=False, collective="allreduce")
     lk = dataclasses.replace(lk, lat=lk.lat * GRAPH_LATENCY_RATIO)
     return lk.t(2 * (world - 1) * part / world) + 4 * GRAPH_LAUNCH_S + 3 * part / hw.mem_bw
@@ -244,7 +248,8 @@ def split_reduce_time(m: DecodeModel, world: int, hw: Hardware, *, batch: int = 
 
 def decode_step_time(m: DecodeModel, context: int, world: int, hw: Hardware, *, batch: int = 1,
                      mem_bw: float | None = None, small_per_layer: int = SMALL_KERNELS_PER_LAYER,
-                     pdl: bool = True, method: str = "tree-allgather", mlp: str = "whole") -> dict[str, float]:
+                     pdl: bool = True, method: str = "tree-allgather", mlp: str = "whole",
+                     peer_rounds: int = 2) -> dict[str, float]:
     """Predicted seconds of one graphed decode step of model `m` (batch 1-8, tree decoding, the allgather merge at
     P > 1) and its parts: gemm (every weight once at GEMV_EFFICIENCY), attention and exchange (predict_decode per
     layer, graphed), small (SMALL_KERNEL_S each), gaps (GRAPH_GAP_S after every kernel), total; and floor, the
@@ -253,7 +258,12 @@ def decode_step_time(m: DecodeModel, context: int, world: int, hw: Hardware, *, 
     pdl: the kernels launch with programmatic dependent launch (PDL_GAP_S after each instead of GRAPH_GAP_S);
     method: the merge at P > 1, "tree-allgather" (an NCCL all-gather and a merge kernel a layer) or PEER_METHOD
     (one kernel a layer); mlp "split" (P > 1): each rank reads 1/P of the MLPs and pays a reduce a layer
-    (split_reduce_time: the peer kernel with PEER_METHOD, else the all-reduce), "whole": every rank all of them."""
+    (split_reduce_time: the peer kernel with PEER_METHOD, else the all-reduce), "whole": every rank all of them;
+    peer_rounds: flag rounds of each peer kernel call, 1 where the peer merge and the peer sum alternate (split MLPs
+    with PEER_METHOD: symmetric.fence, the static decoder's default there), else 2."""
+    if peer_rounds not in (1, 2) or (peer_rounds == 1 and not (method == PEER_METHOD and mlp == "split")):
+        raise ValueError(f"peer_rounds must be 2, or 1 with method {PEER_METHOD!r} and mlp 'split', got "
+                         f"{peer_rounds!r}")
     if method not in ("tree-allgather", PEER_METHOD):
         raise ValueError(f"method must be 'tree-allgather' or {PEER_METHOD!r}, got {method!r}")
     if mlp not in ("whole", "split"):
@@ -264,14 +274,15 @@ def decode_step_time(m: DecodeModel, context: int, world: int, hw: Hardware, *, 
     hwb = dataclasses.replace(hw, mem_bw=bw)
     pb = DecodeProblem(context, world, m.heads, m.kv_heads, m.head_dim, batch=batch, dtype_bytes=m.dtype_bytes)
     local = predict_decode("tree-allgather", dataclasses.replace(pb, world=1, context=pb.shard), hwb, graphed=True)
-    attn = predict_decode(method, pb, hwb, graphed=True)
+    attn = predict_decode(method, pb, hwb, graphed=True, peer_rounds=peer_rounds if world > 1 else 2)
     split = mlp == "split" and world > 1
     weights = m.weight_bytes() - (m.mlp_bytes() * (world - 1) // world if split else 0)
     peer = method == PEER_METHOD
     kernels = m.layers * (4 + small_per_layer + _DECODE_KERNELS["local"] + (0 if world == 1 else 1 if peer else 2)
                           + (0 if not split else 1 if peer else 4)) + STEP_KERNELS
     parts = {"gemm": weights / (bw * GEMV_EFFICIENCY), "attention": m.layers * local,
-             "exchange": m.layers * (attn - local + (split_reduce_time(m, world, hwb, batch=batch, peer=peer)
+             "exchange": m.layers * (attn - local + (split_reduce_time(m, world, hwb, batch=batch, peer=peer,
+                                                                       peer_rounds=peer_rounds)
                                                      if split else 0.0)),
              "small": (m.layers * small_per_layer + STEP_KERNELS - 2) * SMALL_KERNEL_S,
              "gaps": kernels * (PDL_GAP_S if pdl else GRAPH_GAP_S)}
