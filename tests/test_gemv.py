@@ -161,3 +161,18 @@ def test_config_is_chosen_per_device(monkeypatch):
                                         [(64, 256, 4, 4), (32, 256, 4, 4), (64, 128, 4, 3), (32, 256, 4, 4)]])):
         monkeypatch.setattr(G, "_device_name", lambda index, name=name: name)
         assert [[G.config(m, n, k, torch.device("cuda", 0)) for n, k in shapes] for m in (1, 8)] == want, name
+
+
+def test_the_benchmark_times_one_ranks_split_mlp_shapes(capsys):
+    """bench gemv --split P adds what a CP rank runs with the MLPs split (inference/split_mlp.py): fc1's ffn / P rows
+    with GELU, and fc2's ffn / P columns of the whole [hidden, ffn] weight; a P that does not divide ffn is refused
+    before anything runs."""
+    from megatron_cp_plugin.bench import gemv as bg
+
+    fc1, fc2 = bg.split_shapes(2)
+    assert fc1 == ("fc1/2", 7168, 4096, True, None) and fc2 == ("fc2/2", 4096, 7168, False, 14336)
+    assert [s[1:3] for s in bg.split_shapes(4)] == [(3584, 4096), (4096, 3584)]
+    for bad in ("1", "5"):
+        with pytest.raises(SystemExit):
+            bg.main(["--split", bad])
+        assert "--split takes CP sizes >= 2 that divide the ffn 14336" in capsys.readouterr().err
