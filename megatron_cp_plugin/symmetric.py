@@ -56,8 +56,8 @@ def fence(a: PeerBuffers, b: PeerBuffers) -> None:
     signals that only after its `a` call k has ended, that is after it read this rank's `a` partial of call k. So
     no partial is overwritten while a peer reads it, and the same holds for `b` with the roles swapped. A flag is
     never set twice before it is consumed, by the same argument. Stream order (and PDL's wait for the whole
-    preceding grid, kernels/_launch.py) orders a call after the kernels before it. Two flag rounds cost about an
-    NVLink round trip more each (docs/decode.md); a step of 32 layers makes 64 such calls."""
+    preceding grid, kernels/_launch.py) orders a call after the kernels before it. The done round cost 2.8 us a
+    call in the 8B shape's graphed step on 2 x H200, 64 calls a step (docs/decode.md)."""
     if a is b or a.world != b.world or a.rank != b.rank:
         raise ValueError("fence: two different PeerBuffers of the same group and rank expected")
     a.fenced = b.fenced = True

@@ -14,7 +14,8 @@ buffer (symmetric.py). Then program i of this kernel, for rows [i * BLOCK_R, (i 
      rows over NVLink, and writes out (the caller's dtype) and lse = m + log(sum w);
   3. done: sets flag [1, i, rank] of every peer and waits for theirs: no rank's next split-KV step overwrites
      its buffer while a peer still reads it. The two phases make any sequence of calls safe (a CUDA graph of
-     any number of layers, replayed), at one more NVLink round trip per call.
+     any number of layers, replayed), at one more NVLink round trip per call. Skipped (done=False) where another
+     kernel's ready round fences the buffer (symmetric.fence: the decode step alternating this with peer_sum).
 A wait that lasts more than SPIN_LIMIT polls (a peer that never comes: ranks that disagree on their calls)
 traps, which ends the process with a CUDA error instead of hanging the GPU.
 

@@ -13,7 +13,8 @@ i of this kernel, for the elements [i * BLOCK, (i + 1) * BLOCK) of the rows x n 
   2. sum: y = sum of the P partials in rank order 0 .. P-1 (the same order, so the same bits, on every rank),
      + bias[n], + residual, in fp32, rounded once to out's dtype;
   3. done: sets flag [1, i, rank] of every peer and waits for theirs: no rank's next GEMV overwrites its buffer
-     while a peer still reads it.
+     while a peer still reads it. Skipped (done=False) where another kernel's ready round fences the buffer
+     (symmetric.fence: the decode step alternating this with peer_merge).
 
     peer_sum(bufs, rows, n, out, bias=None, residual=None)   # bufs: symmetric.PeerBuffers; out [rows, n]
     peer_sum_reference(parts [P, rows * n], rows, n, bias, residual, dtype)   # the same in PyTorch
