@@ -119,6 +119,29 @@ def decode_check(a, world, dev) -> int:
     return failures
 
 
+def _graph_check(world, step, fresh, error, replays, bound, what) -> int:
+    """The graph checks' frame: fresh() inputs, `step` captured as one CUDA graph (bench.decode.graphed), then
+    `replays` times fresh() and a replay, error() after each; every rank's worst against `bound`, one line from
+    rank 0 (`what`, the worst, ok / FAIL), the graphs freed before the process group; 1 on failure."""
+    graphs = []
+    fresh()
+    replay = graphed(step, graphs)
+    if replay is None:
+        return 1
+    worst = 0.0
+    for _ in range(replays):
+        fresh()
+        replay()
+        worst = max(worst, error())
+    every = [None] * world
+    dist.all_gather_object(every, worst)
+    ok = max(every) <= bound
+    if dist.get_rank() == 0:
+        print(f"{what} {max(every):.2e}  {'ok' if ok else 'FAIL'}", flush=True)
+    graphs.clear()
+    return int(not ok)
+
+
 def fenced_pair_check(world, dev, layers=4, rows=32, d=128, n=4096, replays=200) -> int:
     """The decode step's one-flag-round peer kernels (symmetric.fence): a CUDA graph of `layers` x (write the merge
     partial, peer_merge, write the MLP partial, peer_sum), each kernel without its done round, replayed with new
@@ -155,15 +178,8 @@ def fenced_pair_check(world, dev, layers=4, rows=32, d=128, n=4096, replays=200)
             m[rows * d:].mul_(4)                                        # lse spread: the merge weights matter
             p.copy_(torch.randn(p.shape, device=dev, generator=pg))
 
-    fresh()
-    graphs = []
-    replay = graphed(step, graphs)
-    if replay is None:
-        return 1
-    worst = 0.0
-    for _ in range(replays):
-        fresh()
-        replay()
+    def error():
+        worst = 0.0
         for m, p, (o, lse, y) in zip(mparts, sparts, outs):
             every = [torch.empty_like(m) for _ in range(world)]
             dist.all_gather(every, m)
@@ -172,14 +188,10 @@ def fenced_pair_check(world, dev, layers=4, rows=32, d=128, n=4096, replays=200)
             dist.all_reduce(s)
             worst = max(worst, (o - ref_o).abs().max().item(), (lse - ref_l).abs().max().item(),
                         ((y - s).abs() / s.abs().clamp(min=1e-3)).max().item())
-    every = [None] * world
-    dist.all_gather_object(every, worst)
-    ok = max(every) <= 1e-4
-    if rank == 0:
-        print(f"fenced peer merge + peer sum P={world}: one flag round each, CUDA graph of {layers} layers x "
-              f"{replays} replays against NCCL: worst {max(every):.2e}  {'ok' if ok else 'FAIL'}", flush=True)
-    graphs.clear()
-    return int(not ok)
+        return worst
+
+    return _graph_check(world, step, fresh, error, replays, 1e-4, f"fenced peer merge + peer sum P={world}: one "
+                        f"flag round each, CUDA graph of {layers} layers x {replays} replays against NCCL: worst")
 
 
 def peer_sum_check(world, dev, n=4096, calls=3, replays=200) -> int:
@@ -205,30 +217,22 @@ def peer_sum_check(world, dev, n=4096, calls=3, replays=200) -> int:
             peer_sum(bufs, r, n, out, bias=bias, residual=x)
 
     pg = torch.Generator(device=dev).manual_seed(100 + rank)
-    for part in parts:
-        part.copy_(torch.randn(part.shape, device=dev, generator=pg))
-    graphs = []
-    replay = graphed(step, graphs)
-    if replay is None:
-        return 1
-    worst = 0.0
-    for _ in range(replays):
+
+    def fresh():
         for part in parts:
             part.copy_(torch.randn(part.shape, device=dev, generator=pg))
-        replay()
+
+    def error():
+        worst = 0.0
         for part, out, x in zip(parts, outs, res):
             s = part.clone()
             dist.all_reduce(s)
             ref = s + bias.float() + x.float()
             worst = max(worst, ((out.float() - ref).abs() / ref.abs().clamp(min=1e-3)).max().item())
-    every = [None] * world
-    dist.all_gather_object(every, worst)
-    ok = max(every) <= 2 * 2 ** -8
-    if rank == 0:
-        print(f"split-MLP reduce peer_sum P={world}: CUDA graph of {calls} calls x {replays} replays against NCCL "
-              f"all-reduce: worst relative {max(every):.2e}  {'ok' if ok else 'FAIL'}", flush=True)
-    graphs.clear()
-    return int(not ok)
+        return worst
+
+    return _graph_check(world, step, fresh, error, replays, 2 * 2 ** -8, f"split-MLP reduce peer_sum P={world}: "
+                        f"CUDA graph of {calls} calls x {replays} replays against NCCL all-reduce: worst relative")
 
 
 def peer_graph_check(a, world, dev, calls=3, replays=200) -> int:
@@ -246,26 +250,16 @@ def peer_graph_check(a, world, dev, calls=3, replays=200) -> int:
     step = lambda: [mcp.tree_decode(q, k, v, variant="peer", workspace=ws, kv_lengths=lengths,  # noqa: E731
                                     validate=False) for k, v in caches]
     qg = torch.Generator(device=dev).manual_seed(5)                # the same queries on every rank
-    q.copy_(torch.randn(q.shape, device=dev, generator=qg))
-    outs, graphs = [], []
-    replay = graphed(lambda: outs.extend(step()), graphs)       # outs: the captured call's outputs (last three)
-    outs = outs[-calls:]
-    if replay is None:
-        return 1
-    worst = 0.0
-    for _ in range(replays):
-        q.copy_(torch.randn(q.shape, device=dev, generator=qg))
-        replay()
+    outs = []                                                      # the captured call's outputs: its last `calls`
+
+    def error():
         ref = [mcp.tree_decode(q, k, v, variant="allgather", validate=False) for k, v in caches]
-        worst = max(worst, *(_rel_l2(o, r) for o, r in zip(outs, ref)))
-    every = [None] * world
-    dist.all_gather_object(every, worst)
-    ok = max(every) <= 1e-2
-    if rank == 0:
-        print(f"tree_decode peer P={world}: CUDA graph of {calls} calls x {replays} replays against allgather: "
-              f"worst {max(every):.2e}  {'ok' if ok else 'FAIL'}", flush=True)
-    graphs.clear()
-    return int(not ok)
+        return max(_rel_l2(o, r) for o, r in zip(outs[-calls:], ref))
+
+    return _graph_check(world, lambda: outs.extend(step()), lambda: q.copy_(torch.randn(q.shape, device=dev,
+                                                                                       generator=qg)),
+                        error, replays, 1e-2, f"tree_decode peer P={world}: CUDA graph of {calls} calls x "
+                        f"{replays} replays against allgather: worst")
 
 
 def main():
