@@ -73,6 +73,31 @@ def test_gemv_of_column_slices_into_fp32_buffers_sums_to_the_whole(rows, parts):
         G.gemv(torch.zeros(5, k, dtype=torch.bfloat16, device=DEV), w, out=torch.zeros(5, 51, device=DEV))
 
 
+@pytest.mark.parametrize("rows", [1, 5])
+def test_gemv_writes_megatrons_fused_qkv_grouped(rows):
+    """grouped=: the fused QKV's rows are per KV group [its q heads, k, v]; the output is [all q | all k | all v]
+    (hooks.GroupedQKV), so each head's values are where megatron-core's split and reshape put them (red with a
+    group's k written at the v offset)."""
+    if not available(DEV):
+        pytest.skip("SKIPPED LOUDLY: triton not installed")
+    groups, per, hn = 3, 2, 8
+    gq = G.Grouped(per * hn, hn, groups)
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 40, generator=g).to(DEV)
+    w = torch.randn(groups * (per + 2) * hn, 40, generator=g).to(DEV)
+    y = G.gemv(x, w, grouped=gq, backend="triton")
+    plain = G.gemv_reference(x, w).view(rows, groups, (per + 2) * hn)             # megatron-core's layout
+    q, kv = y[:, :groups * per * hn], y[:, groups * per * hn:]
+    assert torch.allclose(q.view(rows, groups, per * hn), plain[..., :per * hn], rtol=1e-5, atol=1e-5)
+    assert torch.allclose(kv[:, :groups * hn].view(rows, groups, hn), plain[..., per * hn:(per + 1) * hn],
+                          rtol=1e-5, atol=1e-5)
+    assert torch.allclose(kv[:, groups * hn:].view(rows, groups, hn), plain[..., (per + 1) * hn:], rtol=1e-5,
+                          atol=1e-5)
+    assert torch.allclose(G.gemv_reference(x, w, grouped=gq), y, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="must cover the weight's 96 rows"):
+        G.gemv(x, w, grouped=G.Grouped(hn, hn, groups))
+
+
 def test_gemv_takes_the_reference_where_the_kernel_cannot():
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(8, 32, generator=g, dtype=torch.float64), torch.randn(8, generator=g, dtype=torch.float64)
@@ -115,7 +140,8 @@ def _gpt_logits(rank, world, dtype_name):
     takes, gemv = G.takes, G.gemv
     with_residual = []
     G.takes = lambda x, w, b=None: x.dtype in G.DTYPES and x.numel() // x.shape[-1] <= G.MAX_ROWS
-    G.gemv = lambda *a, **k: with_residual.append(k.get("residual") is not None) or gemv(*a, **k, backend="triton")
+    G.gemv = lambda *a, **k: with_residual.append(tuple(k.get(n) is not None for n in ("residual", "grouped"))
+                                                 ) or gemv(*a, **k, backend="triton")
     try:
         with torch.no_grad():
             want = model(tokens, pos, None)
@@ -125,7 +151,8 @@ def _gpt_logits(rank, world, dtype_name):
     finally:
         G.takes, G.gemv = takes, gemv
     back = [getattr(p, n) for p, n, _, _ in found]
-    return (want.float().cpu(), got.float().cpu(), slots, stood, all(a is b for a, b in zip(owns, back)),
+    back.append(not any("get_query_key_value_tensors" in vars(m) for m in model.modules()))    # the method, deleted
+    return (want.float().cpu(), got.float().cpu(), slots, stood, all(a is b for a, b in zip(owns, back)) and back[-1],
             [m.activation_func is torch.nn.functional.gelu for m in hooks.bias_gelu_mlps(model)], with_residual)
 
 
@@ -139,8 +166,8 @@ def test_fused_linears_stand_in_for_a_gpt_models_and_give_its_logits(pools, dtyp
     # every bias in the kernel; fc1 (megatron-core's plain GELU MLP) with GELU
     assert all(fuse for _, fuse, _ in slots) and [g for n, _, g in slots if n == "linear_fc1"] == [True] * layers
     assert stood == ["FusedLinear"] * len(slots) and restored and gelu_back == [True] * layers
-    # linear_proj and linear_fc2 add the residual (hooks.ResidualLink), QKV and fc1 do not
-    assert with_residual == [False, True, False, True] * layers
+    # linear_proj and linear_fc2 add the residual (hooks.ResidualLink); QKV writes q, k, v grouped (hooks.GroupedQKV)
+    assert with_residual == [(False, True), (True, False), (False, False), (True, False)] * layers
     # the same logits up to the kernel's order of summation (and, in bf16, one rounding of each linear less)
     scale = want.abs().max()
     assert (got - want).abs().max() <= (1e-5 if dtype == "float32" else 0.05) * scale

@@ -122,18 +122,61 @@ class FusedLinear(torch.nn.Module):
         self.inner, self.fuse_bias, self.gelu, self.link = inner, fuse_bias, gelu, link
         self.fallback = FusedBiasGelu(inner) if gelu else inner
 
-    def forward(self, x, *args, **kwargs):
+    def takes(self, x) -> bool:
+        """Whether the kernel takes x alone (the call megatron-core makes: no other arguments)."""
+        return _gemv.takes(x, self.inner.weight, self.inner.bias if self.fuse_bias else None)
+
+    def forward(self, x, *args, grouped: _gemv.Grouped | None = None, **kwargs):
         inner, link = self.inner, self.link
         bias = inner.bias if self.fuse_bias else None
         if not args and kwargs.get("weight") is None and _gemv.takes(x, inner.weight, bias):
             res = link.residual if link is not None else None
             if res is not None and (res.dtype != x.dtype or tuple(res.shape) != (*x.shape[:-1], inner.weight.shape[0])):
                 res = None
-            y = _gemv.gemv(x, inner.weight, bias, gelu=self.gelu, residual=res)
+            y = _gemv.gemv(x, inner.weight, bias, gelu=self.gelu, residual=res, grouped=grouped)
             if res is not None:                       # the bias-dropout-add passes y on (FusedBiasDropoutAdd)
                 link.residual, link.added, link.out = None, res, y
             return y, (None if self.fuse_bias or not inner.skip_bias_add else inner.bias)
+        if grouped is not None:
+            raise ValueError("FusedLinear: grouped output needs the kernel (GroupedQKV checks takes() first)")
         return self.fallback(x, *args, **kwargs)
+
+
+class GroupedQKV:
+    """Stands in for a self-attention's `get_query_key_value_tensors` (megatron-core 0.16.1 and 0.19.2) where its
+    linear_qkv is a FusedLinear: the fused QKV GEMV writes [all q | all k | all v] (gemv.Grouped), so q [sq, b, np,
+    hn], k and v [sq, b, ng, hn] are views; megatron-core's own splits the per-group layout and copies the query
+    into heads (one copy kernel a layer, 32 a step). Anything else goes to its own: an output gate, split_qkv off,
+    key_value_states, q or k layernorms, more tensor-parallel ranks than KV groups, test_mode, or inputs the kernel
+    does not take."""
+
+    def __init__(self, attention, own, linear: FusedLinear):
+        self.attention, self.own, self.linear = attention, own, linear
+        a = attention
+        self.heads, self.groups = a.num_attention_heads_per_partition, a.num_query_groups_per_partition
+        self.hn = a.hidden_size_per_attention_head
+        self.grouped = _gemv.Grouped(self.heads // self.groups * self.hn, self.hn, self.groups)
+
+    def _plain(self, hidden_states, key_value_states, output_gate, split_qkv) -> bool:
+        a, cfg = self.attention, self.attention.config
+
+        def none(m):
+            return m is None or type(m).__name__ == "IdentityOp"
+
+        return (not output_gate and split_qkv and key_value_states is None and none(a.q_layernorm)
+                and none(a.k_layernorm) and not getattr(cfg, "test_mode", False)
+                and cfg.num_query_groups >= a.world_size and self.linear.takes(hidden_states))
+
+    def __call__(self, hidden_states, key_value_states=None, output_gate: bool = False, split_qkv: bool = True):
+        if not self._plain(hidden_states, key_value_states, output_gate, split_qkv):
+            return self.own(hidden_states, key_value_states, output_gate=output_gate, split_qkv=split_qkv)
+        mixed, _ = self.linear(hidden_states, grouped=self.grouped)                 # [sq, b, ng (np / ng + 2) hn]
+        sq, b = mixed.shape[0], mixed.shape[1]
+        nq, nk = self.heads * self.hn, self.groups * self.hn
+        query = mixed[..., :nq].view(sq, b, self.heads, self.hn)
+        key = mixed[..., nq:nq + nk].view(sq, b, self.groups, self.hn)
+        value = mixed[..., nq + nk:].view(sq, b, self.groups, self.hn)
+        return query, key, value
 
 
 LINEAR_SLOTS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
@@ -235,7 +278,8 @@ def swapped(model, *, core=None, rope=None, owners=None, norms: bool = False, bd
     the model's rotary_pos_emb is rope(its own) (when it has one), with norms every RMSNorm and LayerNorm a
     FusedNorm of itself, with bda every layer's bias-dropout-adds a FusedBiasDropoutAdd of themselves and every
     plain-GELU MLP's fc1 a FusedBiasGelu (its activation the identity), and with linears every linear of
-    linear_slots a FusedLinear (a plain-GELU fc1 with GELU, its activation the identity); with all three, each
+    linear_slots a FusedLinear (a plain-GELU fc1 with GELU, its activation the identity) and each self-attention's
+    get_query_key_value_tensors a GroupedQKV over its FusedLinear linear_qkv; with all three, each
     layer's linear_proj and linear_fc2 also add the residual (residual_links); with split (a split_mlp.SplitMLPs)
     the MLPs it holds compute this rank's share through SplitFC1 / SplitFC2 instead (a plain-GELU fc1 with GELU,
     fc2 with the residual where the norms, bda and linears are stood in for); the model's own are restored after."""
@@ -266,8 +310,13 @@ def swapped(model, *, core=None, rope=None, owners=None, norms: bool = False, bd
                                                  link_of.get(id(m.linear_fc2))))]
             if gelu:
                 swaps.append((m, "activation_func", _identity))          # GELU is in SplitFC1
-    swaps += [(p, n, FusedLinear(getattr(p, n), fuse_bias=fuse, gelu=gelu,
-                                 link=link_of.get(id(getattr(p, n))) if fuse else None)) for p, n, fuse, gelu in lins]
+    fused = [(p, n, FusedLinear(getattr(p, n), fuse_bias=fuse, gelu=gelu,
+                                link=link_of.get(id(getattr(p, n))) if fuse else None)) for p, n, fuse, gelu in lins]
+    swaps += fused
+    # each self-attention whose fused QKV is a FusedLinear gets its q, k, v as views (GroupedQKV)
+    swaps += [(p, "get_query_key_value_tensors", GroupedQKV(p, p.get_query_key_value_tensors, lin))
+              for p, n, lin in fused if n == "linear_qkv" and getattr(p, "attention_type", None) == "self"
+              and callable(getattr(p, "get_query_key_value_tensors", None))]
     gelu_fc1 = {id(p) for p, _, _, gelu in lins if gelu}
     for m in bias_gelu_mlps(model) if (bda or linears) else []:
         if id(m) in split_ids:
@@ -277,7 +326,8 @@ def swapped(model, *, core=None, rope=None, owners=None, norms: bool = False, bd
                 continue
             swaps.append((m, "linear_fc1", FusedBiasGelu(m.linear_fc1)))
         swaps.append((m, "activation_func", _identity))          # GELU is in fc1's stand-in
-    own = [getattr(o, a) for o, a, _ in swaps]
+    # (own value, whether it was the object's own attribute: a method stood in for goes back by deletion)
+    own = [(getattr(o, a), a in vars(o) or a in getattr(o, "_modules", {})) for o, a, _ in swaps]
     done = 0
     try:
         for o, a, new in swaps:
@@ -285,8 +335,11 @@ def swapped(model, *, core=None, rope=None, owners=None, norms: bool = False, bd
             done += 1
         yield
     finally:
-        for (o, a, _), old in reversed(list(zip(swaps[:done], own))):
-            setattr(o, a, old)
+        for (o, a, _), (old, kept) in reversed(list(zip(swaps[:done], own))):
+            if kept:
+                setattr(o, a, old)
+            else:
+                delattr(o, a)
 
 
 class KeepPrefill(torch.nn.Module):

@@ -22,6 +22,7 @@ uses this kernel graphed uses it eagerly too, so graphed and eager tokens stay e
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -40,11 +41,29 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 """What the kernel takes (it accumulates in fp32); fp64 (the CPU and shared-GPU tests' models) takes the reference."""
 
 
+class Grouped(NamedTuple):
+    """megatron-core's fused QKV output [groups x (q_width + 2 head_dim)] (per KV group: its query heads, its key,
+    its value), written instead as [all queries | all keys | all values] (groups x q_width, then groups x head_dim
+    twice), so that q, k and v are views and the query needs no copy into heads."""
+    q_width: int
+    head_dim: int
+    groups: int
+
+    def order(self, device=None) -> torch.Tensor:
+        """dest: output feature i of the fused layout goes to position dest[i] of the grouped one."""
+        gw = self.q_width + 2 * self.head_dim
+        i = torch.arange(self.groups * gw, device=device)
+        g, j = i // gw, i % gw
+        q, h = self.q_width, self.head_dim
+        return torch.where(j < q, g * q + j, torch.where(j < q + h, self.groups * q + g * h + j - q,
+                                                         self.groups * (q + h) + g * h + j - q - h))
+
+
 def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                   gelu: bool = False, residual: torch.Tensor | None = None, dtype: torch.dtype | None = None
-                   ) -> torch.Tensor:
+                   gelu: bool = False, residual: torch.Tensor | None = None, dtype: torch.dtype | None = None,
+                   grouped: Grouped | None = None) -> torch.Tensor:
     """The definition: x @ weight.T in fp32 (fp64 for fp64 operands) (+ bias), exact GELU where asked (+ residual),
-    rounded once to `dtype` (x's unless given)."""
+    rounded once to `dtype` (x's unless given); with grouped, the output features in Grouped's order."""
     acc = torch.float64 if torch.float64 in (x.dtype, dtype) else torch.float32
     y = x.to(acc) @ weight.to(acc).T
     if bias is not None:
@@ -53,6 +72,8 @@ def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         y = torch.nn.functional.gelu(y)
     if residual is not None:
         y = y + residual.to(acc)
+    if grouped is not None:
+        y = torch.empty_like(y).index_copy_(-1, grouped.order(y.device), y)
     return y.to(x.dtype if dtype is None else dtype)
 
 
@@ -91,8 +112,8 @@ def config(m: int, n: int, k: int, device: torch.device | None = None) -> tuple[
 
 if triton is not None:
     @triton.jit
-    def _gemv_kernel(X, W, B, R, Y, M, N, K, sx, sw, sr, sy, HAS_BIAS: tl.constexpr, GELU: tl.constexpr,
-                     HAS_RES: tl.constexpr,
+    def _gemv_kernel(X, W, B, R, Y, M, N, K, sx, sw, sr, sy, QW, GW, HN, NG,
+                     HAS_BIAS: tl.constexpr, GELU: tl.constexpr, HAS_RES: tl.constexpr, GROUPED: tl.constexpr,
                      ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
                      PRECISION: tl.constexpr, PDL: tl.constexpr):
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -139,7 +160,14 @@ if triton is not None:
         if HAS_RES:
             acc += tl.load(R + rm[:, None] * sr + rn[None, :], mask=(rm < M)[:, None] & nm[None, :],
                            other=0.0).to(tl.float32)
-        tl.store(Y + rm[:, None] * sy + rn[None, :], acc.to(Y.dtype.element_ty),
+        dest = rn
+        if GROUPED:
+            # megatron-core's fused QKV rows are per KV group [q heads of the group, k, v] (GW = QW + 2 HN rows);
+            # the output is [all q | all k | all v], so that q, k, v are views (hooks.GroupedQKV)
+            g, j = rn // GW, rn % GW
+            dest = tl.where(j < QW, g * QW + j, tl.where(j < QW + HN, NG * QW + g * HN + j - QW,
+                                                         NG * (QW + HN) + g * HN + j - QW - HN))
+        tl.store(Y + rm[:, None] * sy + dest[None, :], acc.to(Y.dtype.element_ty),
                  mask=(rm < M)[:, None] & nm[None, :])
 
     # Triton's CPU interpreter (3.6) returns garbage from tl.dot on bf16 operands (fp32 ones are right): there the
@@ -169,14 +197,15 @@ def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, gelu: bool = False,
          residual: torch.Tensor | None = None, backend: str | None = None,
          block: tuple[int, int, int, int] | None = None, pdl: bool | None = None,
-         out: torch.Tensor | None = None) -> torch.Tensor:
+         out: torch.Tensor | None = None, grouped: Grouped | None = None) -> torch.Tensor:
     """x [..., K] @ weight [N, K].T (+ bias [N]) (-> exact GELU) (+ residual [..., N] of x's dtype): [..., N] of
     x's dtype, a new tensor; with `out` (a contiguous [..., N] of any dtype of DTYPES, e.g. an fp32 partial sum in
     a symmetric buffer) written there instead, rounded once to out's dtype. The weight's rows may be strided (a
     slice of its columns). backend None: the kernel where `takes` says so, the reference elsewhere; "triton"
     forces the kernel (Triton's CPU interpreter in tests) and raises where it cannot take the operands. block:
     (BLOCK_N, BLOCK_K, num_warps, num_stages) instead of config()'s (the benchmark's sweep). pdl: launch with
-    programmatic dependent launch (None: for one row, where _launch.pdl says so)."""
+    programmatic dependent launch (None: for one row, where _launch.pdl says so). grouped: megatron-core's fused QKV
+    output reordered (Grouped)."""
     K = x.shape[-1]
     if weight.dim() != 2 or weight.shape[1] != K:
         raise ValueError(f"gemv: weight must be [N, {K}] (x's last dimension), got {tuple(weight.shape)}")
@@ -190,6 +219,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
                             + (torch.float64,) or out.device != x.device):
         raise ValueError(f"gemv: out must be a contiguous {out_shape} on {x.device} of a dtype in {DTYPES} (or fp64), "
                          f"got {tuple(out.shape)} {out.dtype} on {out.device}")
+    if grouped is not None:
+        if grouped.groups * (grouped.q_width + 2 * grouped.head_dim) != weight.shape[0]:
+            raise ValueError(f"gemv: grouped {tuple(grouped)} (q_width, head_dim, groups) must cover the weight's "
+                             f"{weight.shape[0]} rows: groups x (q_width + 2 head_dim)")
+        if residual is not None:
+            raise ValueError("gemv: grouped (the fused QKV) takes no residual")
     if backend == "triton":
         ok = (triton is not None and x.dtype in DTYPES and weight.dtype == x.dtype and _rows_contiguous(weight)
               and x.numel() // max(K, 1) <= MAX_ROWS and (bias is None or bias.dtype == x.dtype))
@@ -198,7 +233,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
                              f"weight of contiguous rows and at most {MAX_ROWS} rows")
     elif (not takes(x, weight, bias) or (residual is not None and residual.requires_grad and torch.is_grad_enabled())
           or (out is not None and out.dtype not in DTYPES)):
-        y = gemv_reference(x, weight, bias, gelu=gelu, residual=residual, dtype=None if out is None else out.dtype)
+        y = gemv_reference(x, weight, bias, gelu=gelu, residual=residual, dtype=None if out is None else out.dtype,
+                           grouped=grouped)
         return y if out is None else out.copy_(y)
     N = weight.shape[0]
     x2 = x.reshape(-1, K)
@@ -216,11 +252,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             # One row only: with PDL the graphed step at batch 8 was slower on one H200 (32k: 12.40 against 11.84 ms
             # with no PDL anywhere; batch 1 4.40 against 4.61), so the 2-16 row path launches as it did before.
             pdl = M == 1 and _launch.pdl(x.device)
+        gq = grouped or Grouped(1, 1, 1)
         _gemv_kernel[(triton.cdiv(N, bn),)](x2, weight, weight if bias is None else bias, y if r2 is None else r2,
                                              y, M, N, K, x2.stride(0), weight.stride(0),
                                              0 if r2 is None else r2.stride(0),
-                                             y.stride(0), HAS_BIAS=bias is not None, GELU=gelu,
-                                             HAS_RES=r2 is not None,
+                                             y.stride(0), gq.q_width, gq.q_width + 2 * gq.head_dim, gq.head_dim,
+                                             gq.groups, HAS_BIAS=bias is not None, GELU=gelu,
+                                             HAS_RES=r2 is not None, GROUPED=grouped is not None,
                                              ROWS=rows, BLOCK_N=bn, BLOCK_K=bk,
                                              UPCAST=_INTERPRETED and x.dtype != torch.float32,
                                              # fp32 operands: Triton's default is TF32 (1e-3 off on an H100)
