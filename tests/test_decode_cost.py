@@ -103,7 +103,8 @@ def test_decode_step_model_against_the_measured_steps():
 
     measured = load_measured(MEASURED)
     for key in ("decode_step", "decode_step_h200", "decode_step_h200_peer", "decode_step_h100_split",
-                "decode_step_h200_split", "decode_step_h200_rounds"):
+                "decode_step_h200_split", "decode_step_h200_rounds", "decode_step_h200_grouped",
+                "decode_step_h100_grouped"):
         meas = measured[key]
         m = DecodeModel(**meas["model"])
         assert abs(m.weight_bytes() - 10.21e9) < 0.005e9

@@ -326,7 +326,10 @@ def table_decode_step() -> list[Table]:
                       ("decode_step_h200_split", "the same on H200s, batch 8 included; a check"),
                       ("decode_step_h200_rounds", "split MLPs with the peer kernels in two flag rounds against one "
                                                   "(symmetric.fence); PEER_SIGNAL_S is this run's 128k batch-1 "
-                                                  "pair, the rest a check")):
+                                                  "pair, the rest a check"),
+                      ("decode_step_h200_grouped", "q, k, v grouped out of the QKV kernel (no query copy: 3 small "
+                                                   "kernels a layer); a check"),
+                      ("decode_step_h100_grouped", "the same code on H100s; a check")):
         meas = measured[key]
         m = DecodeModel(**meas["model"])
         rows = []
@@ -358,8 +361,8 @@ def table_decode_step() -> list[Table]:
     out.append(Table("decode step predicted (the 8B shape, batch 1, graphed, tree peer at P > 1 (one node), the MLPs "
                      "whole on every rank or split over the CP ranks (the static decoder's default at P > 1; the "
                      "floor then counts a rank's share; the peer kernels then in one flag round, symmetric.fence); "
-                     "the fused linears with the residual adds inside: 4 small kernels a layer; PDL; hw.mem_bw as the "
-                     "floor's bandwidth)", rows,
+                     "the fused linears with the residual adds inside, q, k, v grouped: 3 small kernels a layer; "
+                     "PDL; hw.mem_bw as the floor's bandwidth)", rows,
                      {c: (lambda v: f"{v:.2f}") for c in ("ms", "floor ms", "x floor", "tokens/s over CP = 1")}))
     return out
 
