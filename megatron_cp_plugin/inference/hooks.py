@@ -129,7 +129,7 @@ class FusedLinear(torch.nn.Module):
     def forward(self, x, *args, grouped: _gemv.Grouped | None = None, **kwargs):
         inner, link = self.inner, self.link
         bias = inner.bias if self.fuse_bias else None
-        if not args and kwargs.get("weight") is None and _gemv.takes(x, inner.weight, bias):
+        if not args and kwargs.get("weight") is None and self.takes(x):
             res = link.residual if link is not None else None
             if res is not None and (res.dtype != x.dtype or tuple(res.shape) != (*x.shape[:-1], inner.weight.shape[0])):
                 res = None
