@@ -147,8 +147,10 @@ def attention2d_bytes(*, seq_len: int, world: int, rows: int, cols: int, b: int,
                 (R-1) 2 n_kv e; dQ partials (C-1) n_q 4; dK, dV partials (R-1) 2 n_kv w_R
     where w_R = `wire_bytes`: e for Attention2D-NO (an all-to-all, summed at the owner) and for Attention2D-O's
     (`overlap`) column ring of one hop (R = 2), acc for its longer rings, which sum on the way. o and dQ
-    partials stay fp32 (docs/design.md, wire precision, rule 3)."""
+    partials stay fp32 (docs/design.md, wire precision, rule 3). Attention2D-O on shards that `overlap_pays` does
+    not take runs Attention2D-NO: its bytes."""
     s = seq_len // world
+    overlap = overlap and overlap_pays(b * s)
     n_q, n_kv, n_r = b * s * h * d, b * s * h_kv * d, b * h * s
     ranks = range(world) if rank is None else [rank]
     moves = any(kv_moves(p, rows, cols, row_major) for p in ranks)
@@ -189,6 +191,21 @@ def group_chunks(rows: int, cols: int, tokens: int) -> int:
     FlashAttn of line 5) while R s tokens fit, an R x C grid with R = kC (or C = kR) k calls of n = min(R, C)."""
     g = math.gcd(rows, cols)
     return max([n for n in range(1, g + 1) if g % n == 0 and n * tokens <= MAX_GROUP_TOKENS], default=1)
+
+
+OVERLAP_MIN_LOCAL = 4096
+"""Attention2D-O overlaps its rings with its compute on shards of more than this many tokens (b x s); shorter ones
+run Attention2D-NO's schedule (`overlap_pays`). Why: at 2k tokens a rank (128k over 8 x 8) one (Q block, K, V chunk)
+pair is ~70 us of forward compute on an H100 and a ring hop ~0.2 ms of host time (a p2p post, a kernel call, a
+merge), so the rank is bound by launches: replayed on one H100 (2026-11-27), Attention2D-O took 2.2-2.5x the ideal
+in 48-63 kernel calls a fwd+bwd, 2.2-2.4x with its column gathered at once and one call a pass (16 calls, the ring
+round the row kept), against Attention2D-NO's 1.16-1.23x in 2 (docs/performance.md). At 8k (P = 16) a pair is
+~1.1 ms and hides a hop's ~0.85 ms on NVLink: the rings stay."""
+
+
+def overlap_pays(tokens: int) -> bool:
+    """Whether Attention2D-O runs its own overlapped schedule on shards of `tokens` (b x s), OVERLAP_MIN_LOCAL."""
+    return tokens > OVERLAP_MIN_LOCAL
 
 
 class CPGrid:

@@ -540,6 +540,53 @@ def _bytes(rank, world, algo, dtype, h, hk, seq=None):
     return stats.forward_bytes, stats.backward_bytes
 
 
+def _short_o(rank, world, overlap_min):
+    """Attention2D-O and -NO on one problem (bf16: partials that sum on the way travel in fp32, the rest in bf16) with
+    comm.OVERLAP_MIN_LOCAL = overlap_min: each one's output, input gradients and (forward, backward) bytes."""
+    from megatron_cp_plugin import comm
+    keep, comm.OVERLAP_MIN_LOCAL = comm.OVERLAP_MIN_LOCAL, overlap_min
+    try:
+        q, k, v, do = _inputs(11, 2 * world * 3, 4, 2, 8, torch.bfloat16)
+        out = {}
+        for algo in ("attention2d-o", "attention2d-no"):
+            stats = mcp.CommStats()
+            shard = lambda t: mcp.shard_sequence(t, algo=algo).detach()  # noqa: E731
+            ql, kl, vl = (shard(t).requires_grad_() for t in (q, k, v))
+            o = mcp.context_parallel_attention(ql, kl, vl, algo=algo, comm_stats=stats)
+            o.backward(shard(do))
+            out[algo] = ([o.detach(), ql.grad, kl.grad, vl.grad], (stats.forward_bytes, stats.backward_bytes))
+        return out
+    finally:
+        comm.OVERLAP_MIN_LOCAL = keep
+
+
+@pytest.mark.parametrize("world", (4, 9))
+def test_attention2d_o_runs_no_on_short_shards(pools, monkeypatch, world):
+    """With the shipped comm.OVERLAP_MIN_LOCAL the tests' shards (12 tokens) are short: Attention2D-O gives
+    Attention2D-NO's bits and bytes, which the formula names (attention2d_bytes(overlap=True) is -NO's there); with
+    the threshold under the shard it runs its own rings (at 3 x 3 its dK, dV ring of two hops sends fp32: more
+    backward bytes, the formula's with overlap)."""
+    from megatron_cp_plugin import comm
+    from tests.dist_pool import SHIPPED_OVERLAP_MIN_LOCAL
+    assert SHIPPED_OVERLAP_MIN_LOCAL >= BATCH * 2 * 3
+    r = int(world ** 0.5)
+
+    def formula(overlap, rank):
+        return mcp.attention2d_bytes(seq_len=2 * world * 3, world=world, rows=r, cols=r, b=BATCH, h=4, h_kv=2, d=8,
+                                     elem=2, overlap=overlap, rank=rank)
+
+    short = pools(world).run(_short_o, SHIPPED_OVERLAP_MIN_LOCAL)
+    own = pools(world).run(_short_o, 0)
+    for rank in range(world):
+        (o_t, o_b), (n_t, n_b) = short[rank]["attention2d-o"], short[rank]["attention2d-no"]
+        assert all(torch.equal(a, b) for a, b in zip(o_t, n_t)) and o_b == n_b == formula(False, rank)
+        assert own[rank]["attention2d-o"][1] == formula(True, rank)          # threshold 0 here (conftest)
+        if r == 3:
+            assert own[rank]["attention2d-o"][1][1] > n_b[1]
+    monkeypatch.setattr(comm, "OVERLAP_MIN_LOCAL", SHIPPED_OVERLAP_MIN_LOCAL)
+    assert all(formula(True, p) == formula(False, p) for p in range(world))
+
+
 @pytest.mark.parametrize("algo", ["ring", "burst", "ring-te"])
 @pytest.mark.parametrize("world", (1, 3, 4))
 def test_byte_counters_equal_formulas(pools, world, algo):

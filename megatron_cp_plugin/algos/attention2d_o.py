@@ -23,6 +23,9 @@ call's partials merged in one launch (`merge_many_`); so do the backward's middl
 chunk, each chunk's dK, dV sent down the column as soon as it is final, Alg. 11). At P = 64 on 8 x 8 (2k tokens a
 rank) a rank's forward makes at most 22 calls instead of 64 and its backward at most 28 instead of 64.
 
+Short shards (4k tokens a rank or fewer, `comm.overlap_pays`) run Attention2D-NO's schedule instead: a pair's
+compute there is shorter than a ring hop's host time, so the rings hide nothing and their launches bind the rank.
+
 Wire precision (docs/design.md): a dK, dV accumulator that is summed into on its way round a column ring of
 more than one hop travels in fp32; round a ring of one hop (R = 2) it is summed once, at its owner, and
 travels in the input dtype. o and dQ accumulators, lse and D always travel in fp32.
@@ -47,6 +50,7 @@ from ..kernels.local_attn import (acc_dtype, attention_delta, block_bwd, block_b
                                   surrogate_out)
 from ..kernels.merge import accumulate_, merge_, merge_many_
 from ._function import CPAttention
+from . import attention2d as a2d_no
 from .attention2d import kv_to_row_major, pair_mask
 
 
@@ -287,6 +291,9 @@ def _backward(grid: CPGrid, do, q, kv, o, lse, *, causal, scale, backend, stats=
 def attention2d_o(q, k, v, *, group: CPGrid, causal: bool = True, softmax_scale: float, backend: str | None = None,
                   comm_stats: CommStats | None = None, packing=None):
     """Attention2D-O on validated cyclic shards: q [b, s, h, d], k, v [b, s, h_kv, d] -> [b, s, h, d]
-    (`packing`: the `_packing.Packing` of a packed sequence, each document cyclic on its own)."""
-    return CPAttention.apply(q, k, v, _forward, _backward, group, causal, softmax_scale, backend, comm_stats,
-                             packing)
+    (`packing`: the `_packing.Packing` of a packed sequence, each document cyclic on its own). Shards too short for
+    the overlap to pay (`comm.overlap_pays`: 4k tokens or fewer) run Attention2D-NO's schedule, same grid and
+    result."""
+    own = comm.overlap_pays(q.shape[0] * q.shape[1])
+    fwd, bwd = (_forward, _backward) if own else (a2d_no._forward, a2d_no._backward)
+    return CPAttention.apply(q, k, v, fwd, bwd, group, causal, softmax_scale, backend, comm_stats, packing)

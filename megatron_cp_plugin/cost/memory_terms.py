@@ -232,7 +232,9 @@ def attention2d_o(sh: Shape) -> Terms:
     Batched passes (m = the chunks a call takes, `attention2d_o.batch_cap`; m > 1 only where chunks are small): the
     column's chunks stacked beside the received ones while they are copied (2RK), a call's repeated Q block and its
     output and lse (m (2Q + L)) forward; backward its repeated Q, dO, O and lse and its gradients (m (4Q + 2K + L))
-    and the dQ sum (Qa)."""
+    and the dQ sum (Qa). Shards that `comm.overlap_pays` does not take run Attention2D-NO: its terms."""
+    if not comm.overlap_pays(sh.tokens):
+        return attention2d_no(sh)
     R, C = sh.grid
     Q, K, L, Qa, Ka = sh.Q, sh.K, sh.L, sh.Qa, sh.Ka
     qn = 0 if C == 1 else 1 if C == 2 else 2

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from ..algos import registry
 from ..algos.ring import round_size
-from ..comm import attention2d_bytes, choose_grid, grid_rank, group_chunks, kv_moves, wire_bytes
+from ..comm import attention2d_bytes, choose_grid, grid_rank, group_chunks, kv_moves, overlap_pays, wire_bytes
 from . import compute as cost_compute
 from .hardware import (ADD_BYTES, ATTNFIX_BYTES, HARDWARE, MERGE_BYTES, Hardware, check_int, overlapped, pairs_link,
                        phase_link)
@@ -205,7 +205,7 @@ def attention2d_cost(algo: str, pb: Problem, hw: Hardware, rank: int | None = No
     # Forward bytes (attention2d.py / attention2d_o.py; comm.attention2d_bytes).
     q_g = (C - 1) * n_q * e                       # Q gathered in the row
     kv_g = (R - 1) * 2 * n_kv * e                 # K, V gathered in the column
-    overlap = algo == "attention2d-o"
+    overlap = algo == "attention2d-o" and overlap_pays(pb.batch * (pb.seq_len // P))   # else -O runs -NO
     w_r = wire_bytes(R - 1 if overlap else 1, e, acc)   # dK, dV partials: input dtype unless summed on the way
     fix = (C - 1) * (n_q + n_r) * acc             # AttnFix: partial (o, lse) to their owners / the o ring
     # Backward bytes.
@@ -213,7 +213,7 @@ def attention2d_cost(algo: str, pb: Problem, hw: Hardware, rank: int | None = No
     stat_g = (C - 1) * 2 * n_r * acc              # D, lse in the row
     dq_rs = (C - 1) * n_q * acc                   # dQ partials to their owners in the row (fp32)
     dkv_rs = (R - 1) * 2 * n_kv * w_r             # dK, dV in the column
-    if algo == "attention2d-no":
+    if not overlap:
         row = phase_link(rows, hw, p2p=False) if C > 1 else None
         col = phase_link(cols, hw, p2p=False) if R > 1 else None
         tr = lambda n, calls=1: row.t(n, calls) if row else 0.0  # noqa: E731
