@@ -30,13 +30,6 @@ def pytest_runtest_logreport(report):
             f.write("".join(f"    {ln}\n" for ln in report.longreprtext[-4000:].splitlines()))   # its last lines
 
 
-@pytest.fixture(autouse=True)
-def _attention2d_o_own_schedule(monkeypatch):
-    """Attention2D-O's own schedule at the tests' tiny shards (comm.overlap_pays; dist_pool's ranks do the same)."""
-    from megatron_cp_plugin import comm
-    monkeypatch.setattr(comm, "OVERLAP_MIN_LOCAL", 0)
-
-
 @pytest.fixture(scope="module")
 def pools():
     made = {}

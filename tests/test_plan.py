@@ -144,11 +144,20 @@ def _algo(m, algo, grid=None):
     ("attention2d-o", (2, 2), 2 * 2 * 128 + 256 + 3 * 640 + 2 * 2 * 128 + 2 * (2 * 256 + 128),
      (512 + 256) + 128 + 2 * 128 + 2 * 2 * 256 + 3 * 512 + 512 + 256 + 2048 + 512),             # 4480, 7040
 ])
-def test_each_algorithms_buffers_are_what_its_code_allocates(algo, grid, forward, backward):
+def test_each_algorithms_buffers_are_what_its_code_allocates(monkeypatch, algo, grid, forward, backward):
+    from megatron_cp_plugin import comm
+    monkeypatch.setattr(comm, "OVERLAP_MIN_LOCAL", 0)     # Attention2D-O's own terms at t = 8 (else -NO's: below)
     got = plan_terms.terms(algo, dataclasses.replace(GQA, grid=grid))
     assert (got.forward, got.backward) == (forward, backward)
     # one rank: the local block alone (Qa + Q; blk + Qa + 2Ka), whatever the algorithm
     assert plan_terms.terms(algo, dataclasses.replace(GQA, cp=1)) == plan_terms.Terms(0, 768, 2048 + 512 + 512)
+
+
+def test_attention2d_o_on_short_shards_plans_attention2d_no():
+    """At the shipped comm.OVERLAP_MIN_LOCAL, t = 8 tokens run Attention2D-NO's schedule: its terms."""
+    sh = dataclasses.replace(GQA, grid=(2, 2))
+    assert plan_terms.terms("attention2d-o", sh) == plan_terms.terms("attention2d-no", sh) != (
+        plan_terms.terms("attention2d-o", dataclasses.replace(sh, tokens=8192)))
 
 
 def test_the_neighbour_ring_below_its_rounds():
