@@ -577,10 +577,11 @@ def test_attention2d_o_runs_no_on_short_shards(pools, monkeypatch, world):
 
     short = pools(world).run(_short_o, SHIPPED_OVERLAP_MIN_LOCAL)
     own = pools(world).run(_short_o, 0)
+    monkeypatch.setattr(comm, "OVERLAP_MIN_LOCAL", 0)
     for rank in range(world):
         (o_t, o_b), (n_t, n_b) = short[rank]["attention2d-o"], short[rank]["attention2d-no"]
         assert all(torch.equal(a, b) for a, b in zip(o_t, n_t)) and o_b == n_b == formula(False, rank)
-        assert own[rank]["attention2d-o"][1] == formula(True, rank)          # threshold 0 here (conftest)
+        assert own[rank]["attention2d-o"][1] == formula(True, rank)
         if r == 3:
             assert own[rank]["attention2d-o"][1][1] > n_b[1]
     monkeypatch.setattr(comm, "OVERLAP_MIN_LOCAL", SHIPPED_OVERLAP_MIN_LOCAL)
@@ -602,7 +603,9 @@ def test_byte_counters_equal_formulas(pools, world, algo):
 
 @pytest.mark.parametrize("algo", ["attention2d-no", "attention2d-o"])
 @pytest.mark.parametrize("world", (2, 4, 6, 9))
-def test_attention2d_byte_counters_equal_formula(pools, world, algo):
+def test_attention2d_byte_counters_equal_formula(pools, monkeypatch, world, algo):
+    from megatron_cp_plugin import comm
+    monkeypatch.setattr(comm, "OVERLAP_MIN_LOCAL", 0)           # the formula of what the ranks run (dist_pool)
     for dtype, (h, hk) in itertools.product((torch.float32, torch.bfloat16), HEADS):
         rows, cols = mcp.choose_grid(world, h=h, h_kv=hk)
         want = [mcp.attention2d_bytes(seq_len=2 * world * 3, world=world, rows=rows, cols=cols, b=BATCH, h=h,
