@@ -33,9 +33,10 @@ from .ring import RoundPartials, n_before, post_round, ring_forward, round_dista
 
 
 def _row_run(part: torch.Tensor, rows: slice) -> torch.Tensor:
-    """Rows `rows` of stacked per-row statistics [m, b, h, n] (D or lse of m ranks' chunks) as one run [b, h, m n]."""
+    """Rows `rows` of stacked per-row statistics [m, 2, b, h, n] ((D, lse) of m ranks' chunks) as one run [2, b, h,
+    m n]: one copy for both (each [b, h, m n] contiguous, as the kernels take lse)."""
     x = part[rows]
-    return x.permute(1, 2, 0, 3).reshape(x.shape[1], x.shape[2], -1)
+    return x.permute(1, 2, 3, 0, 4).reshape(*x.shape[1:4], -1)
 
 
 def _round_calls(r: int, dists: list[int], causal: bool) -> list[tuple[int, slice, bool]]:
@@ -61,10 +62,11 @@ def _backward_rounds(group, do, q, k, v, o, lse, *, causal, scale, backend, stat
     acc = acc_dtype(q.dtype)
     half = s // 2
     cuts = [slice(0, half), slice(half, None)] if causal else [ALL]
-    delta = attention_delta(do, o)                               # line 2: D_i = rowsum(dO_i o O_i)
-    # lines 3-6: (Q, dO, D, lse) of each chunk, sent as they are (one run of rows per chunk in a round's buffers)
-    mine = [t for c in cuts for t in (q[:, c], do[:, c], delta[:, :, c], lse[:, :, c])]
-    mine = [t.contiguous() for t in mine]
+    # line 2: D_i = rowsum(dO_i o O_i), stacked with lse: the statistics of a chunk are one message
+    stat = torch.stack([attention_delta(do, o), lse.to(acc)])
+    # lines 3-6: (Q, dO, (D, lse)) of each chunk, sent as they are (one run of rows per chunk in a round's buffers);
+    # at 128k over P = 64 D and lse as two messages were 16 more copies a backward and g more messages a round
+    mine = [t.contiguous() for c in cuts for t in (q[:, c], do[:, c], stat[:, :, :, c])]
     rounds = round_distances(P, g)
 
     nxt = post_round(ex_q, rounds[0], mine)
@@ -79,12 +81,12 @@ def _backward_rounds(group, do, q, k, v, o, lse, *, causal, scale, backend, stat
         # the calls write disjoint rows; only the first query chunks of the ranks before r meet none of r's keys
         part = RoundPartials(len(dists), 1, q.shape, cuts, acc)
         for c, sel, all_keys in _round_calls(r, dists, causal):
-            q_j, do_j, delta_j, lse_j = bufs[4 * c:4 * c + 4]
+            q_j, do_j, stat_j = bufs[3 * c:3 * c + 3]
             ks = ALL if all_keys else cuts[0]
+            delta_j, lse_j = _row_run(stat_j, sel)
             # lines 8-14: P = exp(S - lse_j) against this rank's K, V; dV, dK here, dQ_j into its partial
-            dq_b, dk_b, dv_b = block_bwd(chunk_run(do_j, sel), chunk_run(q_j, sel), k[:, ks], v[:, ks], None,
-                                         _row_run(lse_j, sel), delta=_row_run(delta_j, sel), scale=scale,
-                                         backend=backend)
+            dq_b, dk_b, dv_b = block_bwd(chunk_run(do_j, sel), chunk_run(q_j, sel), k[:, ks], v[:, ks], None, lse_j,
+                                         delta=delta_j, scale=scale, backend=backend)
             accumulate_(dk[:, ks], dk_b)
             accumulate_(dv[:, ks], dv_b)
             part.put(sel, c, (dq_b,))
