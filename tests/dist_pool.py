@@ -26,7 +26,7 @@ def _worker(rank, world, port, tasks, results):
     torch.set_num_threads(1)
     # The tests' shards are tens of tokens: with the shipped threshold Attention2D-O would run Attention2D-NO's
     # schedule on every one of them (comm.overlap_pays), so its own is what the ranks run unless a test sets it back
-    # (SHIPPED_OVERLAP_MIN_LOCAL; conftest.py does the same in the test process).
+    # (SHIPPED_OVERLAP_MIN_LOCAL). Tests that compare with the test process's formulas set it there too.
     comm.OVERLAP_MIN_LOCAL = 0
     init_group("gloo", rank, world, port)
     while True:

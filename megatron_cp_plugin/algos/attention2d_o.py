@@ -20,8 +20,8 @@ meets them in one kernel call per mask (the chunks of residue <= the block's wit
 causal) over the batch dimension, at most `batch_cap` chunks a call (comm.MAX_GROUP_TOKENS query rows, as
 Attention2D-NO's grouped calls: chunks of 16k tokens or more keep one call each, as the paper writes it), the
 call's partials merged in one launch (`merge_many_`); so do the backward's middle passes (the last keeps one call a
-chunk, each chunk's dK, dV sent down the column as soon as it is final, Alg. 11). At P = 64 on 8 x 8 (2k tokens a
-rank) a rank's forward makes at most 22 calls instead of 64 and its backward at most 28 instead of 64.
+chunk, each chunk's dK, dV sent down the column as soon as it is final, Alg. 11). At P = 64 on 8 x 8 that was at
+most 22 forward calls instead of 64 and 28 backward instead of 64; shards that short now take the schedule below.
 
 Short shards (4k tokens a rank or fewer, `comm.overlap_pays`) run Attention2D-NO's schedule instead: a pair's
 compute there is shorter than a ring hop's host time, so the rings hide nothing and their launches bind the rank.
