@@ -12,13 +12,18 @@ Causal balance: the paper's Table 1 has none; here shards are zigzag, so every s
 (`_zigzag.py`) on every rank; packed sequences run the varlen calls of `_zigzag.zigzag_blocks`.
 Short shards run in rounds (`ring.round_size`): the forward's as the ring's; in the backward each rank sends its
 (Q, dO, D, lse) straight to the next g ranks and each dQ partial straight to its owner, at most three calls a round;
-a dQ partial there is one kernel call's result, summed at its owner in fp32 (rule 3 of the wire-precision policy).
+a dQ partial there is one kernel call's result, summed at its owner in fp32, and travels in the input dtype: a GPU's
+fused kernels return it rounded to that dtype inside (cuDNN's convert_dq_to_16bits), so fp32 on the wire would carry
+the same values in twice the bytes, plus a cast copy a call (the math backend's fp32 is rounded to it once, as the
+ring's dK, dV partials are: docs/design.md, wire precision).
 
 Bytes sent per rank and call (e = element size, n_q = b * s_local * h * d, acc = 4, or 8 for fp64):
   forward  (P - 1) * 2 * n_kv * e                                   (K, V; as ring)
   backward (P - 1) * (n_q * (2 * e + acc) + 2 * b * h * s_local * acc)   (Q, dO; dQ; D, lse)
+           (P - 1) * (n_q * 3 * e + 2 * b * h * s_local * acc)          in rounds (g > 1: dQ in the input dtype)
 For MHA in fp32 that is 3/4 of ring's backward plus the small D, lse (2/3 in bf16, where both send their
-gradient accumulators in fp32). With GQA (h_kv < h) ring sends less: its K, V are h/h_kv times smaller than Q.
+gradient accumulators in fp32; 3/4 in rounds, where both send their partials in bf16). With GQA (h_kv < h) ring
+sends less: its K, V are h/h_kv times smaller than Q.
 """
 from __future__ import annotations
 
@@ -54,9 +59,9 @@ def _round_calls(r: int, dists: list[int], causal: bool) -> list[tuple[int, slic
 def _backward_rounds(group, do, q, k, v, o, lse, *, causal, scale, backend, stats, g):
     """Alg. 2 in rounds of g ranks (ring.round_size): each rank sends its own (Q, dO, D, lse), chunk by chunk, straight
     to the next g ranks; a round's query chunks meet this rank's K, V in at most three calls; each round's dQ partials
-    go straight to their owners, who sum them with their own. A partial's every row is one call's result (the calls
-    meet disjoint rows); it travels in fp32 (docs/design.md, wire precision rule 3: a dQ partial over some keys can
-    be larger than dQ; ring.RoundPartials)."""
+    go straight to their owners, who sum them in fp32 with their own. A partial's every row is one call's result (the
+    calls meet disjoint rows), so it travels in the input dtype, at micro-batch 1 as views of the call's output
+    (ring.RoundPartials: no fp32 buffer, no cast copy, no zero fill)."""
     ex_q, ex_dq = Exchange(group, "backward", stats), Exchange(group, "backward", stats)
     P, r, s = ex_q.world, ex_q.rank, q.shape[1]
     acc = acc_dtype(q.dtype)
@@ -79,7 +84,7 @@ def _backward_rounds(group, do, q, k, v, o, lse, *, causal, scale, backend, stat
         if i + 1 < len(rounds):
             nxt = post_round(ex_q, rounds[i + 1], mine)
         # the calls write disjoint rows; only the first query chunks of the ranks before r meet none of r's keys
-        part = RoundPartials(len(dists), 1, q.shape, cuts, acc)
+        part = RoundPartials(len(dists), 1, q.shape, cuts, q.dtype)
         for c, sel, all_keys in _round_calls(r, dists, causal):
             q_j, do_j, stat_j = bufs[3 * c:3 * c + 3]
             ks = ALL if all_keys else cuts[0]

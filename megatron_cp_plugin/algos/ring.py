@@ -94,13 +94,13 @@ def _round_calls(r: int, dists: list[int], s: int, causal: bool) -> list[tuple[s
 class RoundPartials:
     """A round's partials for the m ranks it met, t tensors each (the ring's dK, dV; burst's dQ), of their chunks
     `cuts` of shard shape `shard`. Every chunk's rows are one kernel call's result (the calls meet disjoint rows), so
-    a partial is summed once, at its owner, and travels in `dtype`: dK, dV in the input dtype (the wire-precision
-    policy's one-hop rule, as Attention2D's dK, dV partials), dQ in fp32 (rule 3). A GPU's fused kernels return
-    dK, dV in the input dtype, rounded once inside (fp32 would carry the same values in twice the bytes, plus a cast
-    pass: 3.8 ms of 29 at 128k P = 64 MHA on an H100, eleventh session's profile); the math backend's fp32 is
-    rounded to it once. At micro-batch 1 a rank's rows of a call's run are contiguous, so they are sent as views of
-    the call's output (no copy; a chunk no call met as zeros); at b > 1, or in another dtype than the kernel's
-    (burst's dQ: fp32, rule 3), they are copied into one buffer (`put_run_`)."""
+    a partial is summed once, at its owner, and travels in `dtype`, the input dtype (the wire-precision policy's
+    one-hop rule). A GPU's fused kernels return dQ, dK, dV in the input dtype, rounded once inside (fp32 would carry
+    the same values in twice the bytes, plus a cast pass: 3.8 ms of 29 at 128k P = 64 MHA on an H100, eleventh
+    session's profile); the math backend's fp32 is rounded to it once. At micro-batch 1 a rank's rows of a call's
+    run are contiguous, so they are sent as views of the call's output (no copy; a chunk no call met as zeros); at
+    b > 1, or in another dtype than the kernel's (the math backend's), they are copied into one buffer
+    (`put_run_`)."""
 
     def __init__(self, m: int, t: int, shard, cuts: list, dtype):
         self.m, self.t, self.shard, self.cuts, self.dtype = m, t, tuple(shard), cuts, dtype

@@ -124,7 +124,7 @@ def attention_need(algo: str, S: int, P: int, *, h: int, hk: int, d: int, elem: 
     elif algo == "burst" and g > 1:        # rounds: as memory_terms.burst, and at b > 1 the chunk and run copies
         F = ring_f
         call = g * Q + 2 * g * L + 2 * (g * Q + 2 * K) + g * ws
-        B = (3 * L + 4 * g * (Q + L) + Qa + 2 * Ka + 3 * g * Qa + call + G
+        B = (3 * L + 4 * g * (Q + L) + Qa + 2 * Ka + 3 * g * Q + call + G
              + (2 * Q + 2 * g * Q if b > 1 else 0))
     elif algo == "burst":
         F = ring_f

@@ -308,7 +308,7 @@ def _receives(algo, P, h, hk, d, s, e, grid) -> int:
     if algo == "allgather":                  # every rank's K or V (chunks from GROUPED_MIN_P); the dK, dV partials
         return (P * K // 2 if P >= GROUPED_MIN_P else 2 * P * K) + 2 * P * K
     if algo == "burst" and round_size(P, s) > 1:   # rounds: K or V chunks (forward); Q or dO, D or lse chunks; dQ
-        return K // 2 + Q // 2 + L // 2 + Qa
+        return K // 2 + Q // 2 + L // 2 + Q
     if algo == "burst":                      # K, V; Q or dO; D or lse; dQ
         return K + Q + L + Qa
     R, C = grid

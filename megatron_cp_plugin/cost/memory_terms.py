@@ -140,11 +140,11 @@ def burst(sh: Shape) -> Terms:
     g = round_size(sh.cp, sh.tokens)
     if g > 1:
         # rounds: D and the copied D, lse chunks (3L); a round's (Q, dO, D, lse) in hand and the next in flight
-        # (4g(Q + L)); fp32 dq, dk, dv (Qa + 2Ka); this round's dQ partials and the last one's sent and arriving
-        # (3g Qa); around a call over g ranks' query chunks: the surrogate O (gQ), the D, lse runs (2gL), the last
-        # call's gradients and its own (2(gQ + 2K)) and the kernel's workspace (g ws); the returned G
+        # (4g(Q + L)); fp32 dq, dk, dv (Qa + 2Ka); this round's dQ partials and the last one's sent and arriving, in
+        # the input dtype (3gQ); around a call over g ranks' query chunks: the surrogate O (gQ), the D, lse runs
+        # (2gL), the last call's gradients and its own (2(gQ + 2K)) and the kernel's workspace (g ws); the returned G
         call = g * sh.Q + 2 * g * sh.L + 2 * (g * sh.Q + 2 * sh.K) + g * sh.ws
-        return Terms(0, ring(sh).forward, 3 * sh.L + 4 * g * (sh.Q + sh.L) + sh.Qa + 2 * sh.Ka + 3 * g * sh.Qa
+        return Terms(0, ring(sh).forward, 3 * sh.L + 4 * g * (sh.Q + sh.L) + sh.Qa + 2 * sh.Ka + 3 * g * sh.Q
                      + call + sh.G)
     travel = 4 * sh.Q + 4 * sh.L if sh.cp > 2 else 2 * sh.Q + 2 * sh.L
     return Terms(0, ring(sh).forward,

@@ -157,14 +157,14 @@ def ring_family_cost(algo: str, pb: Problem, hw: Hardware, rank: int | None = No
     # (waited one step later), which the last hop brings home after the loop.
     cb = B / P / hw.bwd_tflops
     # In rounds (ring.round_size > 1: short shards) ring's dK, dV partials are summed once, at their owner, and travel
-    # in the input dtype (ring.RoundPartials; burst's dQ stays fp32, rule 3); the timing below is the neighbour ring's.
+    # in the input dtype (ring.RoundPartials), and so do burst's dQ partials; the timing below is the neighbour ring's.
     g_acc = e if round_size(P, pb.seq_len // P) > 1 else acc
     if algo == "ring":                  # K, V and dK, dV (fp32; the input dtype in rounds)
         m_blk, m_acc = 2 * n_kv * e, 2 * n_kv * g_acc
     elif algo == "ring-te":             # TransformerEngine's budget: dK, dV in the input dtype
         m_blk, m_acc = 2 * n_kv * e, 2 * n_kv * e
-    else:                               # burst: Q, dO, D, lse and dQ (fp32); K, V stay
-        m_blk, m_acc = 2 * n_q * e + 2 * n_r * acc, n_q * acc
+    else:                               # burst: Q, dO, D, lse and dQ (fp32; the input dtype in rounds); K, V stay
+        m_blk, m_acc = 2 * n_q * e + 2 * n_r * acc, n_q * g_acc
     adds = (n_q + 2 * n_kv) * ADD_BYTES / hw.mem_bw     # both add a dQ and a dK, dV block per step
     comp = [cb + adds] * P
     comm = [link.t(m_blk + (m_acc if i >= 2 else 0), 2 if i >= 2 else 1) for i in range(P - 1)]
