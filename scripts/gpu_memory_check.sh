@@ -6,7 +6,8 @@
 # off with it), whose table has plan_GiB, peak_mem_GB (GiB: torch.cuda.max_memory_allocated) and plan_vs_peak.
 # Everything stops by $BUDGET s (default 560: one device call); STEPS picks steps (default: all, in this order),
 # ALGOS the algorithms of each step (default: every one; a 2.7B run takes ~30-40 s on 2 GPUs, so all seven
-# algorithms of one step fill about half a call).
+# algorithms of one step fill about half a call), STEP_S the seconds one step may take (default 300). GPT-3 13B at
+# 64k plans the layer inputs on the host (--offload-layer-inputs): no layout that keeps them on the GPU fits.
 #   OUT=/some/dir bash scripts/gpu_memory_check.sh
 #   STEPS="b2.7_64k m13_32k" ALGOS="ring allgather attention2d-o" OUT=/some/dir bash scripts/gpu_memory_check.sh
 # Files under $OUT: <step>.log, <step>.md (the bench table), memory.md (every step's rows, plan vs peak),
@@ -27,14 +28,14 @@ declare -A RUN=(
   [b2.7_64k]="--config configs/gpt3-2.7b.toml --seq-length 65536 --use-distributed-optimizer"
   [m760_64k]="--config configs/gpt3-760m.toml --seq-length 65536 --use-distributed-optimizer"
   [f2.7_64k]="--config configs/gpt3-2.7b.toml --seq-length 65536 $FSDP"
-  [m13_64k]="--config configs/gpt3-13b.toml configs/recompute-full.toml --seq-length 65536 $FSDP"
+  [m13_64k]="--config configs/gpt3-13b.toml configs/recompute-full.toml --seq-length 65536 $FSDP --offload-layer-inputs"
 )
 ORDER="m760_32k b2.7_32k f2.7_32k m13_32k b2.7_64k m760_64k f2.7_64k m13_64k"
 : > "$OUT/memory.md"
 for s in ${STEPS:-$ORDER}; do
   [ -n "${RUN[$s]:-}" ] || { echo "$s: unknown step (one of $ORDER)" | tee -a "$OUT/summary.txt"; status=1; continue; }
   # shellcheck disable=SC2086
-  step "$s" 300 python3 -m megatron_cp_plugin.bench model --nproc 2 --no-cp1 --force --train-iters 3 \
+  step "$s" "${STEP_S:-300}" python3 -m megatron_cp_plugin.bench model --nproc 2 --no-cp1 --force --train-iters 3 \
     ${ALGOS:+--algos $ALGOS} --out "$OUT/$s" ${RUN[$s]}
   { echo "## $s: ${RUN[$s]}"; grep -E "^\| (run|---|ring|burst|attention2d|allgather|ulysses)" "$OUT/$s.md"; echo; } \
     >> "$OUT/memory.md" 2>/dev/null

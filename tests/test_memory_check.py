@@ -122,3 +122,33 @@ def test_gpu_capacity_from_nvidia_smi(monkeypatch):
     assert devices.gpu_capacity_gib() == pytest.approx(81559 / 1024)
     answers[:] = [(FileNotFoundError("nvidia-smi"), 0), (FileNotFoundError("nvidia-smi"), 0)]
     assert devices.gpu_capacity_gib() is None
+
+
+def test_13b_at_64k_on_two_h200s_fits_only_with_the_layer_inputs_on_the_host(gpus):
+    """Issue 35 item 3: GPT-3 13B at 64k over CP = 2 fits no layout that keeps its layer inputs on the GPU (FSDP
+    ZeRO-3 + full recompute plans 142.7 GiB); with them in host memory (--offload-layer-inputs) it plans what 32k
+    does, the optimizer step's 135.2 GiB. The check names that layout with its flags, and the layout passes it."""
+    from megatron_cp_plugin.bench import launch_plan, plan
+    flags = [f if f != "32768" else "65536" for f in GPT3_13B]
+    gpus(2, H200)
+    line = memory_check.refusal(parse_args(flags), 2)
+    off = plan.Layout("fsdp-optim_grads_params", 1, True, True)
+    args = launch_plan.layout_args(off)
+    assert args[-1] == "--offload-layer-inputs" and "--recompute-granularity" in args
+    gib = plan.estimate(plan.model_from_args(parse_args(flags)), off, 2).total / plan.GiB
+    assert f"these fit: {off.name} ({gib:.1f} GiB: {' '.join(args)})" in line, line
+    assert memory_check.refusal(parse_args(flags + args), 2) is None
+    rc = [f for f in args if f != "--offload-layer-inputs"]
+    assert memory_check.refusal(parse_args(flags + rc), 2) is not None      # the same without offload: refused
+    assert launch_plan.config_layout(parse_args(flags + args)) == off
+    m = plan.model_from_args(parse_args(flags))
+    assert plan.recommend(m, 2, H200) == "fsdp-optim_grads_params +recompute +offload"
+    # the Megatron-LM path has no such flag: its candidates never offload, its layout names refuse it
+    assert not any(lay.offload for lay in launch_plan.candidates(parse_args(flags), m, 2, "megatron-lm"))
+    assert launch_plan.parse_layout("fsdp+recompute+offload", "plugin") == off
+    with pytest.raises(ValueError, match=r"LAYOUT 'fsdp\+recompute\+offload': expected"):
+        launch_plan.parse_layout("fsdp+recompute+offload", "megatron-lm")
+    from megatron_cp_plugin.megatron_lm.flags import megatron_lm_flags
+    from megatron_cp_plugin.training.config import build_parser
+    with pytest.raises(ValueError, match="--offload-layer-inputs is megatron-cp-pretrain's"):
+        megatron_lm_flags(parse_args(flags + args), build_parser(), world_size=2, layout="fsdp+recompute")

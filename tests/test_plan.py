@@ -393,3 +393,23 @@ def test_megatron_fsdp_asks_megatron_lm_for_fp32_main_gradients_where_it_has_the
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[lines.index("--megatron-fsdp-main-grads-dtype") + 1] == "fp32"
+
+
+def test_offloaded_layer_inputs_leave_no_layer_on_the_gpu():
+    """+offload (training/offload.py): full recompute's kept layer input (e h t a layer) waits in host memory, so the
+    loss moment and the backward's first layer hold L such inputs less (L - 1: the running one is on the GPU); the
+    layout needs full recompute and no pipeline stages, and names its flag."""
+    m = plan.Model(layers=4, hidden=64, heads=8, groups=2, ffn=256, vocab=128, seq=4096)
+    rc, off = plan.Layout("fsdp-optim_grads", 1, True), plan.Layout("fsdp-optim_grads", 1, True, True)
+    lb = {x: plan_terms.layer_bytes(m, x, 2, "ring") for x in (rc, off)}
+    t = m.seq // 2
+    assert lb[rc].kept == m.elem * m.hidden * t and lb[off].kept == 0
+    mo = {x: plan_terms.moments(m, x, lb[x], m.params, m.root_params, m.layers, 1, True) for x in (rc, off)}
+    assert mo[rc]["loss"] - mo[off]["loss"] == m.layers * m.elem * m.hidden * t
+    assert mo[rc]["step"] == mo[off]["step"]
+    assert plan.estimate(m, off, 2).total < plan.estimate(m, rc, 2).total
+    assert off.name == "fsdp-optim_grads +recompute +offload" and "--offload-layer-inputs" in off.flags()
+    assert off in plan.layouts(m, 2)
+    for bad in (dict(recompute=False), dict(pp=2)):
+        with pytest.raises(ValueError, match="only with full recompute and no pipeline stages"):
+            plan.Layout(**{"zero": "zero1", "pp": 1, "recompute": True, "offload": True, **bad})

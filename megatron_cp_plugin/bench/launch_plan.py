@@ -12,7 +12,8 @@ megatron-cp-pretrain's (the given ones plus the layout's flags) or, with --train
            Megatron-FSDP (and its strategy) if they ask for it
   config   what the configs and flags say (Megatron's distributed optimizer in every GPT-3 config)
   NAME     one of the planner's layouts: zero1, fsdp-optim, fsdp-optim_grads, fsdp-optim_grads_params, ppN-zero1
-           (megatron-lm), each optionally +recompute; fsdp = fsdp-optim_grads_params
+           (megatron-lm), each optionally +recompute, or (plugin) +recompute+offload (--offload-layer-inputs);
+           fsdp = fsdp-optim_grads_params
 Nothing fits (or the named layout does not): one line on stderr and exit 3, unless --force (the planner is an
 estimate). The planner models TP = 1 and every GPU of a stage in CP; with --tensor-model-parallel-size > 1 the
 line says it did not check.
@@ -30,6 +31,8 @@ from ..training.memory_check import RECOMPUTE, candidates, config_layout, layout
 def parse_layout(name: str, trainer: str) -> plan.Layout:
     """A planner layout from its name ("fsdp-optim_grads_params+recompute", "pp8-zero1 +recompute", "fsdp")."""
     base = name.replace(" ", "")
+    offload = trainer == "plugin" and base.endswith("+recompute+offload")
+    base = base.removesuffix("+offload") if offload else base
     recompute = base.endswith("+recompute")
     base = base.removesuffix("+recompute")
     base = {"fsdp": "fsdp-optim_grads_params"}.get(base, base)
@@ -37,10 +40,11 @@ def parse_layout(name: str, trainer: str) -> plan.Layout:
     if pp and trainer == "megatron-lm" and int(pp.group(1)) >= 1:
         return plan.Layout("zero1", int(pp.group(1)), recompute)
     if base in plan.ZERO_LAYOUTS and base != "ddp":
-        return plan.Layout(base, 1, recompute)
+        return plan.Layout(base, 1, recompute, offload)
     names = "zero1, fsdp-optim, fsdp-optim_grads, fsdp-optim_grads_params" + (", ppN-zero1" if trainer ==
                                                                               "megatron-lm" else "")
-    raise ValueError(f"LAYOUT {name!r}: expected auto, config or one of {names}, each optionally +recompute")
+    extra = " or +recompute+offload (the layer inputs on the host)" if trainer == "plugin" else ""
+    raise ValueError(f"LAYOUT {name!r}: expected auto, config or one of {names}, each optionally +recompute{extra}")
 
 
 def choose(a, trainer: str, layout: str, gpus: int, gpu_mem: float, headroom: float, force: bool):

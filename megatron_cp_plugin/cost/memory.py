@@ -16,7 +16,9 @@ one GPU holds S / CP tokens of each sequence. Layouts:
   fsdp-optim_grads_params    ... optim_grads_params (ZeRO-3: bf16 weights sharded, gathered per layer)
   ppN-zero1                  N pipeline stages of GPUs/N (Megatron-LM's 1F1B; megatron-cp-pretrain has no
                              pipeline parallelism: run these through Megatron-LM with patches/), ZeRO-1 per stage
-each without and with full layer-wise recompute (--recompute-granularity full, 1 layer per checkpoint).
+each without and with full layer-wise recompute (--recompute-granularity full, 1 layer per checkpoint); the five
+without pipeline stages also with recompute and the checkpointed layer inputs kept in host memory (+offload:
+megatron-cp-pretrain's --offload-layer-inputs, training/offload.py), where no layer's input is kept on the GPU.
 
 Bytes per parameter (bf16 training, fp32 gradient buffer as the trainer configures it): weights 2, gradients 4,
 fp32 main weights 4, Adam moments 8; a sharded part is divided by the GPUs that shard it. Activations per
@@ -131,11 +133,18 @@ class Layout:
     """Pipeline stages (1: none)."""
     recompute: bool = False
     """Full layer-wise activation recompute."""
+    offload: bool = False
+    """With full recompute: the checkpointed layer inputs wait for the backward in host memory
+    (megatron-cp-pretrain's --offload-layer-inputs, training/offload.py; no pipeline stages)."""
+
+    def __post_init__(self):
+        if self.offload and (not self.recompute or self.pp != 1):
+            raise ValueError("a layout offloads layer inputs only with full recompute and no pipeline stages")
 
     @property
     def name(self) -> str:
         base = self.zero if self.pp == 1 else f"pp{self.pp}-{self.zero}"
-        return base + (" +recompute" if self.recompute else "")
+        return base + (" +recompute" if self.recompute else "") + (" +offload" if self.offload else "")
 
     def flags(self) -> str:
         """The megatron-cp-pretrain (or Megatron-LM) flags of this layout."""
@@ -144,6 +153,7 @@ class Layout:
             z = f"--use-megatron-fsdp --data-parallel-sharding-strategy {self.zero.split('-', 1)[1]}"
         pp = f" --pipeline-model-parallel-size {self.pp} (Megatron-LM)" if self.pp > 1 else ""
         rc = " --recompute-granularity full" if self.recompute else ""
+        rc += " --offload-layer-inputs (megatron-cp-pretrain)" if self.offload else ""
         return (z + pp + rc).strip() or "(defaults)"
 
 
@@ -237,6 +247,7 @@ def estimate(m: Model, layout: Layout, gpus: int, fused_adam: bool = False) -> E
 
 def layouts(m: Model, gpus: int) -> list[Layout]:
     out = [Layout(z, 1, rc) for rc in (False, True) for z in ZERO_LAYOUTS]
+    out += [Layout(z, 1, True, True) for z in ZERO_LAYOUTS]
     pp = 2
     while pp <= min(gpus, m.layers):
         if gpus % pp == 0 and m.layers % pp == 0:
@@ -252,14 +263,17 @@ def plan(m: Model, gpus: int, gpu_mem_gib: float, headroom_gib: float = HEADROOM
 
 
 PREFERENCE = ("zero1", "fsdp-optim_grads", "fsdp-optim_grads_params")
-"""Less sharding first (less communication), recompute only when sharding alone does not fit, pipeline stages
-last (megatron-cp-pretrain has none)."""
+"""Less sharding first (less communication), recompute only when sharding alone does not fit, the layer inputs on
+the host only when recompute does not fit (two PCIe copies a layer), pipeline stages last (megatron-cp-pretrain has
+none)."""
 
 
 def recommend(m: Model, gpus: int, gpu_mem_gib: float, headroom_gib: float = HEADROOM_GIB) -> str | None:
-    """The first layout in PREFERENCE order (then with recompute, then pipeline stages) that fits, or None."""
+    """The first layout in PREFERENCE order (then with recompute, then with the layer inputs offloaded, then
+    pipeline stages) that fits, or None."""
     fits = {r["layout"] for r in plan(m, gpus, gpu_mem_gib, headroom_gib) if r["fits"]}
     order = [z for z in PREFERENCE] + [z + " +recompute" for z in PREFERENCE]
+    order += [z + " +recompute +offload" for z in PREFERENCE]
     order += [lay.name for lay in layouts(m, gpus) if lay.pp > 1]
     return next((name for name in order if name in fits), None)
 

@@ -341,7 +341,9 @@ def layer_bytes(m, layout, cp: int, algo: str) -> LayerBytes:
     at = terms(algo, sh)
     running = m.layer_activation_bytes_per_token() * t
     act = running + at.saved
-    kept = m.elem * m.hidden * t if layout.recompute else act
+    # full recompute keeps each layer's input; offloaded (training/offload.py) it waits in host memory, and the
+    # moments' running layer holds the one in use (its copy back in the backward)
+    kept = 0.0 if layout.offload else m.elem * m.hidden * t if layout.recompute else act
     return LayerBytes(sh, at, running, act, kept, (m.elem * (2 * m.hidden + 2 * m.ffn) + 4) * t)
 
 

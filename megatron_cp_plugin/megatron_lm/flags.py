@@ -28,6 +28,7 @@ from ..training.config import build_parser, parse_args
 from .patching import NO_TE_FLAGS, have_te, release_of
 
 DROPPED = {"config", "verbose", "result_json", "log_json", "nproc", "compare_cp1", "no_memory_check", "share_gpu",
+           "offload_layer_inputs",
            "help", "tokenizer_type", "vocab_size", "dist_timeout", "data_path", "mock_data", "num_query_groups", "max_position_embeddings",
            "context_parallel_size", "global_batch_size", "ffn_hidden_size", "seq_length"}
 """Plugin-trainer flags that are not passed by name: its own (config, result_json, log_json, nproc, compare_cp1,
@@ -90,6 +91,9 @@ def megatron_lm_flags(a: argparse.Namespace, parser: argparse.ArgumentParser, *,
                       layout: str = "auto", release: tuple[int, int, int] | None = None) -> list[str]:
     """pretrain_gpt.py flags for parsed megatron-cp-pretrain args `a` (its `parser` gives the flag names) for the
     Megatron-LM `release` (None: unknown, flags every supported release takes)."""
+    if getattr(a, "offload_layer_inputs", False):
+        raise ValueError("--offload-layer-inputs is megatron-cp-pretrain's (training/offload.py); Megatron-LM's "
+                         "activation offloading is --cpu-offloading, which needs TransformerEngine")
     out = ["--seq-length", str(a.seq_length),
            "--max-position-embeddings", str(max(a.seq_length, a.max_position_embeddings or 0)),
            "--position-embedding-type", "rope", "--normalization", "RMSNorm",

@@ -58,6 +58,9 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     a("--recompute-granularity", choices=("full", "selective"), default=None)
     a("--recompute-method", choices=("uniform", "block"), default=None, help="for full recompute (default uniform)")
     a("--recompute-num-layers", type=int, default=None, help="for full recompute (default 1)")
+    a("--offload-layer-inputs", action="store_true", help="with --recompute-granularity full: keep each layer's "
+      "checkpointed input in pinned host memory until the backward (training/offload.py; megatron-cp-pretrain "
+      "only)")
     a("--attention-dropout", type=float, default=0.0)
     a("--hidden-dropout", type=float, default=0.0)
     a("--save", default=None)
@@ -299,6 +302,9 @@ def validate_args(args, world: int, log: bool = True):
         # are not summed over the group. Replicating everything is what Megatron's DDP does.
         raise ValueError("--data-parallel-sharding-strategy no_shard does not train in megatron-core 0.16.1's "
                          "Megatron-FSDP; for no sharding drop --use-megatron-fsdp (Megatron's DDP)")
+    if getattr(args, "offload_layer_inputs", False) and recompute_kwargs(args).get("recompute_granularity") != "full":
+        raise ValueError("--offload-layer-inputs needs --recompute-granularity full (it moves the checkpointed layer "
+                         "inputs; without full recompute every activation would cross PCIe)")
     cp_cfg = config_from_args(args, log=log)       # --context-parallel-algo, --cp-grid, sequence divisibility
     document_unit(args, cp_cfg.algo)
     return cp_cfg

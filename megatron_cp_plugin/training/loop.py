@@ -53,7 +53,8 @@ def train(args) -> list[float]:
         print(f"megatron-cp-pretrain: {world} ranks (TP {args.tensor_model_parallel_size}, CP "
               f"{args.context_parallel_size}, DP {args.data_parallel_size}), "
               f"{f'algo {cp_cfg.algo}' if args.context_parallel_size > 1 else 'local attention (CP = 1)'}, "
-              f"{trainer.n_params / 1e6:.2f}M parameters, {_layout_words(args)}, "
+              f"{trainer.n_params / 1e6:.2f}M parameters, {_layout_words(args)}"
+              f"{' + full recompute, layer inputs on the host' if trainer.offload is not None else ''}, "
               f"{'bf16' if args.bf16 else 'fp32'} {'GPU' if gpu else 'CPU'}"
               f"{'; ' + devices.NOT_REPRESENTATIVE if gpu and devices.shares_gpu(devices.sharing()) else ''}"
               f"; TFLOP/s counts "
@@ -75,6 +76,9 @@ def train(args) -> list[float]:
             result["step_times_s"].append(time.perf_counter() - t_step)
             if gpu:                                    # between steps: weights, gradients, optimizer state (issue 35)
                 result["mem_after_step_gib"].append(torch.cuda.memory_allocated(device) / 2**30)
+            if trainer.offload is not None:            # --offload-layer-inputs: what one step kept on the host
+                result["offloaded_gib_per_step"] = trainer.offload.bytes_per_step / 2**30
+                result["offloaded_tensors_per_step"] = trainer.offload.tensors
         if it % args.log_interval == 0:
             if gpu:
                 torch.cuda.synchronize()

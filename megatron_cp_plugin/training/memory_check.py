@@ -48,7 +48,8 @@ def config_layout(a) -> memory.Layout:
     from .config import recompute_kwargs, sharding_strategy
     strategy = sharding_strategy(a)
     zero = f"fsdp-{strategy}" if strategy else "zero1" if a.use_distributed_optimizer else "ddp"
-    return memory.Layout(zero, 1, recompute_kwargs(a).get("recompute_granularity") == "full")
+    full = recompute_kwargs(a).get("recompute_granularity") == "full"
+    return memory.Layout(zero, 1, full, full and bool(getattr(a, "offload_layer_inputs", False)))
 
 
 def layout_args(layout: memory.Layout) -> list[str]:
@@ -56,17 +57,21 @@ def layout_args(layout: memory.Layout) -> list[str]:
     out = {"ddp": [], "zero1": ["--use-distributed-optimizer"]}.get(layout.zero)
     if out is None:
         out = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", layout.zero.split("-", 1)[1]]
-    return out + (RECOMPUTE if layout.recompute else [])
+    return out + (RECOMPUTE if layout.recompute else []) + (["--offload-layer-inputs"] if layout.offload else [])
 
 
 def candidates(a, m: memory.Model, gpus: int, trainer: str) -> list[memory.Layout]:
     """Layouts auto may pick, in memory.recommend's order, consistent with what the flags already force."""
     forced = config_layout(a)
     order = [memory.Layout(z, 1, rc) for rc in (False, True) for z in memory.PREFERENCE]
+    if trainer == "plugin":                        # --offload-layer-inputs is megatron-cp-pretrain's
+        order += [memory.Layout(z, 1, True, True) for z in memory.PREFERENCE]
     if trainer == "megatron-lm" and a.context_parallel_size is None:
         order += [lay for lay in memory.layouts(m, gpus) if lay.pp > 1]
     if forced.recompute:
         order = [lay for lay in order if lay.recompute]
+    if forced.offload:
+        order = [lay for lay in order if lay.offload]
     if a.use_megatron_fsdp:
         order = [lay for lay in order if lay.zero == forced.zero]
     return order

@@ -101,6 +101,10 @@ class Trainer:
         model = build_gpt(config, cp_cfg, vocab_size=self.vocab_rows,
                           seq_length=args.max_position_embeddings or args.seq_length, cp_group=self.cp_group)
         self.gpt = model                               # the GPTModel inside the wrappers
+        self.offload = None                            # --offload-layer-inputs: the hooks (training/offload.py)
+        if getattr(args, "offload_layer_inputs", False):
+            from .offload import install
+            self.offload = install(model.decoder, device)
         self.n_params = model_params(model, self.tp_size)
         if args.bf16:
             # As Megatron-LM: every parameter in bf16 (Megatron's local RMSNorm would keep fp32 weights, and
@@ -168,6 +172,8 @@ class Trainer:
     def train_step(self) -> float:
         """One optimizer step over this iteration's micro-batches; returns the global token-mean loss."""
         batches = list(micro_batches(self.train_data, self.args, self.iteration, self.dp_rank))
+        if self.offload is not None:
+            self.offload.reset()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         total = 0.0
