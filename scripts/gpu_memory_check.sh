@@ -6,8 +6,9 @@
 # off with it), whose table has plan_GiB, peak_mem_GB (GiB: torch.cuda.max_memory_allocated) and plan_vs_peak.
 # Everything stops by $BUDGET s (default 560: one device call); STEPS picks steps (default: all, in this order),
 # ALGOS the algorithms of each step (default: every one; a 2.7B run takes ~30-40 s on 2 GPUs, so all seven
-# algorithms of one step fill about half a call), STEP_S the seconds one step may take (default 300). GPT-3 13B at
-# 64k plans the layer inputs on the host (--offload-layer-inputs): no layout that keeps them on the GPU fits.
+# algorithms of one step fill about half a call), STEP_S the seconds one step may take (default 300). The GPT-3 13B
+# steps run the layout the planner picks for these GPUs (at 64k on 2 x H200 with the layer inputs on the host,
+# --offload-layer-inputs: no layout that keeps them on the GPU fits).
 #   OUT=/some/dir bash scripts/gpu_memory_check.sh
 #   STEPS="b2.7_64k m13_32k" ALGOS="ring allgather attention2d-o" OUT=/some/dir bash scripts/gpu_memory_check.sh
 # Files under $OUT: <step>.log, <step>.md (the bench table), memory.md (every step's rows, plan vs peak),
@@ -24,20 +25,36 @@ declare -A RUN=(
   [m760_32k]="--config configs/gpt3-760m.toml --seq-length 32768 --use-distributed-optimizer"
   [b2.7_32k]="--config configs/gpt3-2.7b.toml --seq-length 32768 --use-distributed-optimizer"
   [f2.7_32k]="--config configs/gpt3-2.7b.toml --seq-length 32768 $FSDP"
-  [m13_32k]="--config configs/gpt3-13b.toml configs/recompute-full.toml --seq-length 32768 $FSDP"
+  [m13_32k]="--config configs/gpt3-13b.toml --seq-length 32768 PLANNED"
   [b2.7_64k]="--config configs/gpt3-2.7b.toml --seq-length 65536 --use-distributed-optimizer"
   [m760_64k]="--config configs/gpt3-760m.toml --seq-length 65536 --use-distributed-optimizer"
   [f2.7_64k]="--config configs/gpt3-2.7b.toml --seq-length 65536 $FSDP"
-  [m13_64k]="--config configs/gpt3-13b.toml configs/recompute-full.toml --seq-length 65536 $FSDP --offload-layer-inputs"
+  [m13_64k]="--config configs/gpt3-13b.toml --seq-length 65536 PLANNED"
 )
+# PLANNED: the layout the planner picks for 2 of these GPUs (launch_plan --layout auto, as megatron-cp-pretrain's
+# memory check and the SLURM scripts pick it): FSDP ZeRO-3 + full recompute at 32k, + the layer inputs on the host
+# at 64k on 2 x H200 (issue 35 item 3: "with a layout the planner chooses")
+CAP=$(python3 -c "from megatron_cp_plugin import devices; print(devices.gpu_capacity_gib() or '')")
+planned() {  # the step's flags with PLANNED replaced by the planner's layout flags, or nothing when none fits
+  local base=${1/PLANNED/}
+  # shellcheck disable=SC2086
+  python3 -m megatron_cp_plugin.bench.launch_plan --trainer plugin --layout auto --gpus 2 --gpu-mem "$CAP" -- \
+    $base 2>> "$OUT/summary.txt" | tail -n +2 | tr '\n' ' '
+}
 ORDER="m760_32k b2.7_32k f2.7_32k m13_32k b2.7_64k m760_64k f2.7_64k m13_64k"
 : > "$OUT/memory.md"
 for s in ${STEPS:-$ORDER}; do
   [ -n "${RUN[$s]:-}" ] || { echo "$s: unknown step (one of $ORDER)" | tee -a "$OUT/summary.txt"; status=1; continue; }
+  flags=${RUN[$s]}
+  if [[ $flags == *PLANNED* ]]; then
+    flags=$(planned "$flags")
+    [ -n "$flags" ] || { echo "$s: the planner fits no layout on ${CAP} GiB GPUs" | tee -a "$OUT/summary.txt"; status=1
+                         continue; }
+  fi
   # shellcheck disable=SC2086
   step "$s" "${STEP_S:-300}" python3 -m megatron_cp_plugin.bench model --nproc 2 --no-cp1 --force --train-iters 3 \
-    ${ALGOS:+--algos $ALGOS} --out "$OUT/$s" ${RUN[$s]}
-  { echo "## $s: ${RUN[$s]}"; grep -E "^\| (run|---|ring|burst|attention2d|allgather|ulysses)" "$OUT/$s.md"; echo; } \
+    ${ALGOS:+--algos $ALGOS} --out "$OUT/$s" $flags
+  { echo "## $s: $flags"; grep -E "^\| (run|---|ring|burst|attention2d|allgather|ulysses)" "$OUT/$s.md"; echo; } \
     >> "$OUT/memory.md" 2>/dev/null
 done
 cat "$OUT/memory.md"
