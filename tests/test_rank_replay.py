@@ -22,12 +22,12 @@ CONFIGS = [(a, None) for a in ALGOS if a not in GRID_ALGOS] + [
     (a, g) for a in GRID_ALGOS for g in ((2, 2), (4, 1), (1, 4))]
 
 
-
 @pytest.fixture(autouse=True)
 def _attention2d_o_own_schedule(monkeypatch):
     """Attention2D-O's own schedule at these tests' shards of tens of tokens (comm.overlap_pays would run -NO's)."""
     from megatron_cp_plugin import comm
     monkeypatch.setattr(comm, "OVERLAP_MIN_LOCAL", 0)
+
 
 def _record_then_replay(rank, world, dtype):
     """For every config: the real distributed fwd+bwd with its receives recorded, then the replay of this rank
