@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -196,12 +197,17 @@ def test_the_launcher_reports_a_world_size_flag_in_one_line_and_records_the_fail
 
 def test_under_torchrun_each_rank_checks_before_its_process_group():
     """Ranks started by torchrun or SLURM (RANK, WORLD_SIZE set) check the world-size flags before joining a
-    process group: rank 1 of 2 alone, with no peer and no rendezvous, exits 2 at once, silently (rank 0 says it)."""
+    process group: rank 1 of 2 alone, with no peer and no rendezvous, exits 2 silently (rank 0 says it), after
+    launch.PEER_EXIT_GRACE_S, so that torchrun does not stop rank 0 before it has reported (a CI SLURM run lost rank
+    0's line and record that way)."""
+    from megatron_cp_plugin.training.launch import PEER_EXIT_GRACE_S
     env = {**os.environ, "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": "1"}
+    t0 = time.monotonic()
     r = subprocess.run([sys.executable, "-W", "ignore", "-m", "megatron_cp_plugin.pretrain", *TINY, "--cp-grid", "3x1",
                         "--train-iters", "2"], capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode == 2 and r.stderr.strip() == "" and "iter " not in r.stdout, r.stderr[-3000:]
+    assert time.monotonic() - t0 >= PEER_EXIT_GRACE_S
     r = subprocess.run([sys.executable, "-W", "ignore", "-m", "megatron_cp_plugin.pretrain", *TINY, "--cp-grid", "3x1",
                         "--train-iters", "2"], capture_output=True, text=True, timeout=60, env={**env, "RANK": "0"})
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [r.stderr.strip()] and "--cp-grid" in r.stderr

@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import os
 import sys
+import time
 import traceback
 
 import torch
@@ -132,7 +133,8 @@ def check_world(args) -> None:
     """The start-up checks that need the world size (validate_args) or read the checkpoint directories (--save,
     --load), run before any process group exists: in the launching process for --nproc, or in each torchrun /
     SLURM rank before its first collective. A bad flag ends the job with one line (rank 0's; the other ranks
-    exit 2 silently) and a failed --result-json. train() repeats them (it may be called without main())."""
+    exit 2 silently, after a grace period: `_fail_at_start`) and a failed --result-json. train() repeats them (it
+    may be called without main())."""
     import copy
 
     from .checkpoint import check_resumable, check_save_dir
@@ -145,10 +147,7 @@ def check_world(args) -> None:
         if checked.load:
             check_resumable(checked)
     except ValueError as e:
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"megatron-cp-pretrain: error: {e}", file=sys.stderr)
-            write_record(args, "failed", str(e), exit_code=2)
-        sys.exit(2)
+        _fail_at_start(args, str(e))
 
 
 def check_memory(args) -> None:
@@ -159,11 +158,26 @@ def check_memory(args) -> None:
     world = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else (args.nproc or 1)
     line = refusal(args, world)
     if line:
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"megatron-cp-pretrain: error: {line}", file=sys.stderr)
-            write_record(args, "failed", line, exit_code=2)
-        sys.exit(2)
+        _fail_at_start(args, line)
     allocator_env()
+
+
+PEER_EXIT_GRACE_S = 15.0
+"""Seconds a rank other than 0 waits before it exits on a bad start-up flag. torchrun ends a node's other ranks as
+soon as one fails, so a rank 1 that exited at once could have rank 0 killed before it printed the line and wrote
+the run record (CI, 2 SLURM nodes x 2 ranks on 2 cores, 2026-11-27: rank 0 SIGTERMed, no --result-json). Rank 0
+fails on the same check (every rank runs it on the same flags), and its exit ends the job sooner."""
+
+
+def _fail_at_start(args, line: str) -> None:
+    """End this rank on a start-up error: rank 0 prints `line`, records the failure and exits 2; the others exit 2
+    silently after PEER_EXIT_GRACE_S, so that rank 0 has reported before torchrun stops them."""
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(f"megatron-cp-pretrain: error: {line}", file=sys.stderr)
+        write_record(args, "failed", line, exit_code=2)
+    else:
+        time.sleep(PEER_EXIT_GRACE_S)
+    sys.exit(2)
 
 
 def _drop_flags(argv: list[str], flags: tuple[str, ...]) -> list[str]:
