@@ -123,6 +123,25 @@ def test_offloaded_layer_inputs_lower_the_gpu_peak(tmp_path):
     assert r0["peak_mem_gb"] - r1["peak_mem_gb"] >= 0.7 * 7 * layer_input_gib, (r0["peak_mem_gb"], r1["peak_mem_gb"])
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: RoPE is fused on GPUs only "
+                    "(scripts/gpu_tests.sh)")
+def test_fused_rope_trains_as_megatrons_unfused_rope(tmp_path):
+    """On a GPU the trainer applies RoPE in one kernel each way (kernels/rope.py, unless TE is installed) and the
+    record says so; --no-rope-fusion runs megatron-core's unfused RoPE. Same model, same data: the losses agree
+    to bf16 rounding (the fused kernel rounds once where the unfused path rounds each product), at head dim 80
+    (GPT-3 2.7B's) over CP = 2 with the zigzag layout."""
+    flags = ["--train-iters", "3", "--num-layers", "2", "--hidden-size", "320", "--num-attention-heads", "4",
+             "--seq-length", "2048", "--micro-batch-size", "1", "--bf16", "--context-parallel-algo", "ring"]
+    out = []
+    for extra in ([], ["--no-rope-fusion"]):
+        log, res = tmp_path / f"log{len(extra)}.jsonl", tmp_path / f"res{len(extra)}.json"
+        _pretrain(*flags, *extra, "--log-json", str(log), "--result-json", str(res), nproc=2)
+        out.append((_losses(log), json.loads(res.read_text())))
+    (fused, r0), (unfused, r1) = out
+    assert r0["rope_fusion"] and not r1["rope_fusion"]
+    assert len(fused) == 3 and all(abs(a - b) <= 5e-3 for a, b in zip(fused, unfused)), list(zip(fused, unfused))
+
+
 def test_the_rendezvous_port_is_held_so_two_jobs_on_one_node_both_start():
     """The launcher serves its ranks' rendezvous store on a port it keeps bound (comm.serve_store): picking a free
     port, releasing it and binding it later let another process take it (EADDRINUSE under 20 pytest workers on

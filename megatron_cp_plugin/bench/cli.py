@@ -28,6 +28,7 @@ SUBCOMMANDS = {
     "local-attn": ("megatron_cp_plugin.bench.local_attn", "local attention kernels (cuDNN, FA2, math)"),
     "merge": ("megatron_cp_plugin.bench.merge", "the fused (o, lse) merge and fp32 accumulation vs PyTorch's ops"),
     "norm": ("megatron_cp_plugin.bench.norm", "the decode step's fused RMSNorm / LayerNorm vs torch's modules"),
+    "rope": ("megatron_cp_plugin.bench.rope", "training RoPE in one kernel each way vs megatron-core's unfused"),
     "bias-add": ("megatron_cp_plugin.bench.bias_add", "the decode step's fused bias + residual add vs torch's two"),
     "gemv": ("megatron_cp_plugin.bench.gemv", "the decode step's fused linear (bias, GELU) vs cuBLAS + torch's ops"),
     "peer-merge": ("megatron_cp_plugin.bench.peer_merge", "tree decoding's NVLink exchange + merge vs NCCL + merge"),

@@ -26,6 +26,10 @@
   reduced the gradients in bf16 where the trainer asks for fp32, and made the optimizer step 2 bytes a parameter of
   the shard bigger than 0.16.1's (GPT-3 13B on 2 x H200, FSDP + recompute, ran out of memory in Adam's step).
   `fsdp_grad_dtype_kwargs` asks for fp32 main gradients where the field exists, so every version runs the same.
+- Fused RoPE: megatron-core calls `rope_utils.fused_apply_rotary_pos_emb` when `apply_rope_fusion` is on, a slot only
+  TransformerEngine fills (None without it, and the config refuses the flag). `install_fused_rope` puts our Triton
+  kernel (kernels/rope.py) there where TE did not, so that the trainer's GPU runs fuse RoPE with or without TE;
+  interleaved RoPE, which the kernel does not implement, goes to megatron-core's own unfused function.
 - `DistributedOptimizer.load_state_dict` copies fp32 main parameters into views of leaf parameters that
   require grad; without `torch.no_grad()` autograd refuses (fp32 training: the CPU path). The trainer loads
   under no_grad.
@@ -127,3 +131,23 @@ def fsdp_grad_dtype_kwargs(config_cls, fp32: bool) -> dict:
     fields = {f.name for f in dataclasses.fields(config_cls)}
     return {"megatron_fsdp_main_grads_dtype": torch.float32} if fp32 and "megatron_fsdp_main_grads_dtype" in fields \
         else {}
+
+
+def install_fused_rope() -> None:
+    """Fill megatron-core's fused-RoPE slot with kernels/rope.py where TransformerEngine left it empty (module
+    docstring). It is read only by models whose config has apply_rope_fusion on: others are unaffected."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    if rope_utils.fused_apply_rotary_pos_emb is None:
+        rope_utils.fused_apply_rotary_pos_emb = _fused_rope_slot
+
+
+def _fused_rope_slot(t, freqs, transpose_output_memory: bool = False, interleaved: bool = False):
+    """TE's `fused_apply_rotary_pos_emb` signature, filled by kernels/rope.py (interleaved: megatron-core's own)."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from ..kernels.rope import fused_rope
+
+    if interleaved or transpose_output_memory:
+        return rope_utils._apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=interleaved)
+    return fused_rope(t, freqs)

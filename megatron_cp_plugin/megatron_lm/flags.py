@@ -127,6 +127,9 @@ def megatron_lm_flags(a: argparse.Namespace, parser: argparse.ArgumentParser, *,
         if isinstance(act, argparse._StoreTrueAction):
             if val and flag not in layout_set:
                 out.append(flag)
+        elif isinstance(act, argparse._StoreFalseAction):     # --no-rope-fusion: passed by name when given
+            if val is False and flag not in layout_set:
+                out.append(flag)
         elif val is not None and flag not in layout_set:
             out += [flag, *(map(str, val) if isinstance(val, (list, tuple)) else [str(val)])]
     out += layout_set

@@ -63,6 +63,9 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
       "only)")
     a("--attention-dropout", type=float, default=0.0)
     a("--hidden-dropout", type=float, default=0.0)
+    a("--no-rope-fusion", dest="apply_rope_fusion", action="store_false", help="as Megatron-LM: megatron-core's "
+      "unfused RoPE (about ten elementwise kernels per tensor each way). By default GPU runs of unpacked batches "
+      "apply RoPE in one kernel each way: TransformerEngine's where installed, else kernels/rope.py")
     a("--save", default=None)
     a("--load", default=None)
     a("--save-interval", type=int, default=None)
@@ -239,6 +242,11 @@ def transformer_config(args, gpu: bool):
     """The TransformerConfig of the flags (RMSNorm, RoPE model; per-token loss for exact CP reduction)."""
     from megatron.core.transformer import TransformerConfig
 
+    rope_fusion = rope_fusion_on(args, gpu)
+    if rope_fusion:
+        from ..megatron.compat import install_fused_rope
+        install_fused_rope()
+
     return TransformerConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
         num_query_groups=args.num_query_groups, ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
@@ -247,7 +255,14 @@ def transformer_config(args, gpu: bool):
         context_parallel_size=args.context_parallel_size, normalization="RMSNorm", bf16=args.bf16,
         params_dtype=torch.bfloat16 if args.bf16 else torch.float32, use_cpu_initialization=not gpu,
         calculate_per_token_loss=True, deterministic_mode=getattr(args, "deterministic_mode", False),
-        **recompute_kwargs(args))
+        apply_rope_fusion=rope_fusion, **recompute_kwargs(args))
+
+
+def rope_fusion_on(args, gpu: bool) -> bool:
+    """Whether RoPE runs fused: on GPUs unless --no-rope-fusion; not for packed documents (megatron-core's fused
+    THD path is TE's alone, and its rows follow TE's zigzag: megatron/rope.py). On CPUs the unfused path keeps
+    the fp32 tests on megatron-core's own code."""
+    return gpu and getattr(args, "apply_rope_fusion", True) and not getattr(args, "reset_attention_mask", False)
 
 
 def recompute_kwargs(args) -> dict:

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from .. import devices
-from .config import recompute_kwargs, sharding_strategy
+from .config import recompute_kwargs, rope_fusion_on, sharding_strategy
 
 _RESULT: dict | None = None   # this process's run record, filled while training, written by rank 0
 
@@ -75,6 +75,7 @@ def start_record(args, world: int, cp_cfg, device, n_params: int, vocab: int, fl
         "fsdp_sharding_strategy": sharding_strategy(args),
         "recompute": recompute_kwargs(args) or None,
         "offload_layer_inputs": bool(getattr(args, "offload_layer_inputs", False)), "train_iters": args.train_iters,
+        "rope_fusion": rope_fusion_on(args, device.type == "cuda"),
         "flops_per_iter": flops, "configs": getattr(args, "config", None) or [],
         "argv": sys.argv[1:], "hostname": platform.node(), "slurm_job_id": env.get("SLURM_JOB_ID"),
         "slurm_nodelist": env.get("SLURM_JOB_NODELIST"), "torch": torch.__version__,
