@@ -378,3 +378,17 @@ def test_compare_cp1_runs_cp1_on_one_process_and_the_run_as_asked(monkeypatch, t
     assert "--cp-grid" not in cp1 and cp1[cp1.index("--context-parallel-size") + 1] == "1"
     assert run[run.index("--nproc") + 1] == "4" and "--cp-grid" in run and "--compare-cp1" not in run
     assert "== CP=1: megatron-cp-pretrain --context-parallel-algo" in capsys.readouterr().out
+
+
+def test_profile_step_writes_each_ranks_table(tmp_path):
+    """scripts/profile_step.py: one iteration of megatron-cp-pretrain under torch.profiler, a table per rank."""
+    import os
+    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "profile_step.py")
+    env = dict(os.environ, PROFILE_OUT=str(tmp_path), PROFILE_ITER="1")
+    r = subprocess.run([sys.executable, "-W", "ignore", "-m", "torch.distributed.run", "--standalone",
+                        "--nproc-per-node", "2", script, *TINY, "--train-iters", "2", "--context-parallel-algo",
+                        "ulysses"], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    for rank in (0, 1):
+        text = (tmp_path / f"profile_step_r{rank}.txt").read_text()
+        assert "train_step" in text and "aten::" in text
