@@ -9,12 +9,19 @@
 #                           deterministic?), a run resumed from the first's iteration 3; losses and every
 #                           tensor of the final checkpoints (model, fp32 main weights, Adam moments and steps,
 #                           generators) compared bit for bit
-#   model13b.log, model_13b.md   GPT-3 13B (configs/gpt3-13b.toml), 32k tokens, Megatron-FSDP optim_grads_params
-#                           + full recompute (what the planner says 2 x 141 GB need), CP = 2, every algorithm:
-#                           step time, tokens/s, TFLOP/s, MFU, peak memory (megatron-cp-bench model)
+#   memory.md, memory/      issue 35 items 1 and 3 through scripts/gpu_memory_check.sh: for each step of
+#                           MEMORY_STEPS (default m13_32k: GPT-3 13B, 32k tokens, in the layout the planner picks
+#                           for these GPUs) and each algorithm of MEMORY_ALGOS (default ring burst attention2d-no
+#                           attention2d-o), 3 iterations: step time, tokens/s, TFLOP/s, MFU, and the planner's
+#                           peak against the measured one (megatron-cp-bench model), within MEMORY_BUDGET s
+#                           (default 270). Items 1 and 3 in full (every GPT-3 run of issue 35 at 32k and 64k,
+#                           every algorithm; about 45 minutes on 2 x H200):
+#                             MEMORY_STEPS="m760_32k b2.7_32k f2.7_32k m13_32k b2.7_64k m760_64k f2.7_64k m13_64k"
+#                             MEMORY_ALGOS="ring burst allgather ulysses ulysses-ring attention2d-no attention2d-o"
+#                             MEMORY_BUDGET=3600 BUDGET=3900 OUT=... bash scripts/gpu_trainer_check.sh
 #   plan.log, plan_vs_measured.md   the memory planner's prediction next to measured peak memory for GPT-3 760M
-#                           (ZeRO-1), 2.7B (FSDP ZeRO-3) and 13B (the run above), and the activation bytes
-#                           autograd keeps per layer on the GPU against the planner's formula
+#                           (ZeRO-1), 2.7B (FSDP ZeRO-3) and 13B (the memory step's ring run), and the activation
+#                           bytes autograd keeps per layer on the GPU against the planner's formula
 #   summary.txt             one line per step: exit code and seconds
 # Work files (checkpoints, per-run logs and JSON) stay in a temporary directory; work.tar.gz in $OUT keeps
 # the logs and JSON. Exits non-zero if any step fails or is skipped for time.
@@ -30,11 +37,11 @@ if [ "${1:-}" = "" ]; then
   export MCP_WORK=$(mktemp -d /tmp/mcp-trainer-XXXX) MCP_NP=$(( GPUS >= 4 ? 4 : 2 ))
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True CUBLAS_WORKSPACE_CONFIG=:4096:8 PYTHONWARNINGS=ignore
   step resume 110 bash "$0" resume
-  step model13b 280 bash "$0" model13b
+  step memory $(( ${MEMORY_BUDGET:-270} + 10 )) bash "$0" memory
   step plan 70 bash "$0" plan
   tar -czf "$OUT/work.tar.gz" -C "$MCP_WORK" --exclude='*_ref' --exclude='*_res' --exclude='*_start' \
     --exclude='*.pt' . 2>/dev/null
-  cat "$OUT/resume.md" "$OUT/model_13b.md" "$OUT/plan_vs_measured.md" 2>/dev/null
+  cat "$OUT/resume.md" "$OUT/memory.md" "$OUT/plan_vs_measured.md" 2>/dev/null
   exit $status
 fi
 
@@ -62,14 +69,12 @@ resume)
   done
   python3 -m tests.resume_compare "$W" "$OUT/resume.md" dopt fsdp
   ;;
-model13b)
-  rc=0                                   # one algorithm at a time, each table appended as soon as it is done
-  for a in ring burst attention2d-no attention2d-o; do
-    python3 -m megatron_cp_plugin.bench model --nproc 2 --no-cp1 --algos $a --out "$W/m13_$a" --train-iters 3 \
-      --config configs/gpt3-13b.toml configs/recompute-full.toml --seq-length 32768 \
-      --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params || rc=1
-    cat "$W/m13_$a.md" >> "$OUT/model_13b.md" 2>/dev/null
-  done
+memory)
+  # gpu_memory_check.sh appends each step's rows to its memory.md as soon as the step is done
+  STEPS=${MEMORY_STEPS:-m13_32k} ALGOS=${MEMORY_ALGOS:-"ring burst attention2d-no attention2d-o"} \
+    BUDGET=${MEMORY_BUDGET:-270} OUT="$OUT/memory" bash "$(dirname "$0")/gpu_memory_check.sh"
+  rc=$?
+  cp "$OUT/memory/memory.md" "$OUT/memory.md" 2>/dev/null
   exit $rc
   ;;
 plan)
@@ -86,15 +91,15 @@ plan)
     --seq-length 8192 --micro-batch-size 1 --bf16 --context-parallel-algo ring --use-distributed-optimizer \
     --nproc 2 > "$W/probe.log" 2>&1 || tail -8 "$W/probe.log" &
   wait
-  python3 - "$W" "$OUT/plan_vs_measured.md" <<'EOF'
+  python3 - "$W" "$OUT/plan_vs_measured.md" "$OUT/memory" <<'EOF'
 import json, sys
 from pathlib import Path
 from megatron_cp_plugin.bench import plan
 from megatron_cp_plugin.training.config import parse_args
-w, out = Path(sys.argv[1]), sys.argv[2]
-runs = [("GPT-3 760M, zero1", "p760m.json", "gpt3-760m", plan.Layout("zero1")),
-        ("GPT-3 2.7B, fsdp-optim_grads_params", "p2.7b.json", "gpt3-2.7b", plan.Layout("fsdp-optim_grads_params")),
-        ("GPT-3 13B, fsdp-optim_grads_params +recompute (ring)", "m13_ring_ring.json", "gpt3-13b",
+w, out, mem = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+runs = [("GPT-3 760M, zero1", w / "p760m.json", "gpt3-760m", plan.Layout("zero1")),
+        ("GPT-3 2.7B, fsdp-optim_grads_params", w / "p2.7b.json", "gpt3-2.7b", plan.Layout("fsdp-optim_grads_params")),
+        ("GPT-3 13B, fsdp-optim_grads_params +recompute (ring)", mem / "m13_32k_ring.json", "gpt3-13b",
          plan.Layout("fsdp-optim_grads_params", recompute=True))]
 lines = ["| run (32k tokens, CP 2) | predicted GiB (weights/grads/opt/act/transient) | measured peak GiB | "
          "error |", "|---|---|---|---|"]
@@ -104,7 +109,7 @@ for name, f, cfg, lay in runs:
     parts = "/".join(f"{getattr(e, k) / 2**30:.1f}" for k in ("weights", "grads", "optimizer", "activations",
                                                               "transient"))
     try:
-        got = json.loads((w / f).read_text())["peak_mem_gb"]
+        got = json.loads(f.read_text())["peak_mem_gb"]
         cell, err = f"{got:.1f}", f"{(e.total / 2**30 - got) / got * 100:+.1f} %"
     except Exception as ex:  # noqa: BLE001 - a failed run: say so in the table
         cell, err = f"n/a ({type(ex).__name__})", ""
