@@ -19,14 +19,6 @@ from megatron_cp_plugin.bench._common import time_ms, write_report
 from megatron_cp_plugin.bench.norm import _kernels
 
 
-def _copy_gbps() -> float:
-    """Device memory bandwidth of a 1 GiB copy, GB/s (read + write)."""
-    x = torch.empty(2 ** 29, dtype=torch.bfloat16, device="cuda")
-    y = torch.empty_like(x)
-    ms = time_ms(lambda: y.copy_(x), warmup=3, iters=10)
-    return 2 * x.numel() * 2 / ms / 1e6
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(prog="megatron-cp-bench rope", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -39,9 +31,10 @@ def main(argv=None):
         return 0
     from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 
+    from megatron_cp_plugin.inference.floor import copy_bandwidth
     from megatron_cp_plugin.kernels.rope import fused_rope
 
-    gbps, rows = _copy_gbps(), []
+    gbps, rows = copy_bandwidth(torch.device("cuda")) / 1e9, []
     for shape in a.shapes:
         s, h, d = (int(x) for x in shape.split("x"))
         qkv = torch.randn(s, 1, h, 3 * d, device="cuda", dtype=torch.bfloat16)
