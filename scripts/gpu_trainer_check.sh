@@ -116,7 +116,7 @@ for name, f, cfg, lay in runs:
     lines.append(f"| {name} | {e.total / 2**30:.1f} ({parts}) | {cell} | {err} |")
 try:
     p = json.loads((w / "probe.json").read_text())
-    m = plan.Model(4, 2048, 16, 16, 8192, 257, 8192)
+    m = plan.Model(4, 2048, 16, 16, 8192, 257, 8192, rope_fused=p.get("rope_fusion", False))
     t = 8192 // 2
     norms = t * (m.layers * 2 * (2 * 2048 + 4) + 2 * 2048 + 4)
     rest = t * (m.layers * m.layer_activation_bytes_per_token(False) + m.final_activation_bytes_per_token(False))

@@ -31,7 +31,7 @@ def _storage_bytes(tensors) -> int:
 def probe(args) -> None:
     from megatron.core import parallel_state as ps
 
-    from megatron_cp_plugin.training.config import validate_args
+    from megatron_cp_plugin.training.config import rope_fusion_on, validate_args
     from megatron_cp_plugin.training.cpu import install_cuda_on_cpu
     from megatron_cp_plugin.training.trainer import Trainer, micro_batches
 
@@ -65,6 +65,7 @@ def probe(args) -> None:
     if dist.get_rank() == 0:
         with open(args.probe_out, "w") as f:
             json.dump({"n_params": tr.n_params, "static_bytes": static, "device": device.type,
+                       "rope_fusion": rope_fusion_on(args, device.type == "cuda"),
                        "saved_norm_bytes": sum(kept["norm"].values()),
                        "saved_rest_bytes": sum(kept["rest"].values())}, f)
     loss.backward()

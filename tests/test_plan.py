@@ -34,6 +34,8 @@ def test_planner_bytes_match_the_trainers_tensors(tmp_path, zero, flags):
     got = _probe(tmp_path, *flags)
     m = plan.model_from_args(parse_args(SMALL))
     assert got["n_params"] == m.params                               # the parameter count is exact
+    assert m.rope_fused                                              # plans are for GPUs: fused RoPE
+    m = dataclasses.replace(m, rope_fused=got["rope_fusion"])       # the probe's device: CPU runs keep it unfused
     est = plan.estimate(m, plan.Layout(zero), gpus=2)
     static = est.weights + est.grads + est.optimizer
     if zero == "fsdp-optim_grads_params":
@@ -278,7 +280,8 @@ def test_the_loss_moment_holds_the_fp32_softmax_beside_the_bf16_logits():
     lb = plan_terms.layer_bytes(m, lay, 2, "ring")
     mo = plan_terms.moments(m, lay, lb, m.params, m.root_params, 2, 1, True)
     t = 4096
-    assert mo["loss"] == 2 * lb.kept + t * (2 * 64 + 4 * 1024 + 2 * 64 + 4) + t * 2 * 1024
+    # the final norm's and output layer's inputs, the softmax, the fused RoPE's fp32 freqs (head dim 16), the norm
+    assert mo["loss"] == 2 * lb.kept + t * (2 * 64 + 4 * 1024 + 4 * 16 + 2 * 64 + 4) + t * 2 * 1024
     est = plan.estimate(m, lay, 2)
     assert est.peak == "loss" and est.transient == t * 2 * 1024             # the logits, beside the kept softmax
 
@@ -333,7 +336,7 @@ def test_shipped_gpt3_sbatch_scripts_fit_their_gpus_with_either_trainer(size):
 def test_a_named_layout_that_does_not_fit_is_refused_naming_one_that_does():
     a = parse_args(["--config", str(REPO / "configs/gpt3-13b.toml"), "--seq-length", "65536"])
     lay, line, err = launch_plan.choose(a, "plugin", "zero1", 16, 80, 4.0, False)
-    assert line == "plan: 110.9 GiB per GPU of 80 GiB (zero1)"         # attention2d-no's saved set
+    assert line == "plan: 110.7 GiB per GPU of 80 GiB (zero1)"         # attention2d-no's saved set
     assert err.startswith("launch: LAYOUT=zero1") and "fsdp-optim_grads fits (LAYOUT=auto picks it)" in err
     assert launch_plan.choose(a, "plugin", "zero1", 16, 80, 4.0, True)[2] is None          # PLAN_FORCE=1
     # what the configs say (zero1) does not fit either; auto does

@@ -23,9 +23,11 @@ megatron-cp-pretrain's --offload-layer-inputs, training/offload.py), where no la
 Bytes per parameter (bf16 training, fp32 gradient buffer as the trainer configures it): weights 2, gradients 4,
 fp32 main weights 4, Adam moments 8; a sharded part is divided by the GPUs that shard it. Activations per
 layer, per token on a GPU, of what autograd keeps for the backward in Megatron's local GPT layer with the
-plugin's attention (element size e = 2): e x (5 h + (a + 2 g) d + (a + g) d + 2 f + 4 d) + 4 a + 8, i.e. the
+plugin's attention (element size e = 2): e x (5 h + (a + 2 g) d + (a + g) d + 2 f) + 4 a + 8, i.e. the
 inputs of the two norms, QKV and FC1, the fused QKV output, the rotated q and k, the attention output (also
-the projection's input), the FC1 and activation outputs, RoPE's cos and sin, fp32 lse and norm statistics.
+the projection's input), the FC1 and activation outputs, fp32 lse and norm statistics; with megatron-core's
+unfused RoPE (CPU runs, packed documents, --no-rope-fusion) also q's and k's cos and sin, e x 4 d, where the
+fused kernel keeps one fp32 freqs table for all layers (4 d at the loss).
 The norms count as torch's fused RMSNorm on GPUs keeps them (input + fp32 1/rms; CPU torch keeps fp32 copies
 instead). Full recompute keeps e x h per layer and rebuilds one layer at a time. At the loss: the fp32
 softmax (4 x vocab bytes per token, kept) and the bf16 logits or their gradient. The CP algorithm
@@ -87,6 +89,9 @@ class Model:
     registry.DEFAULT_ALGO, as in the plugin's commands."""
     grid: tuple[int, int] | None = None
     """--cp-grid (rows, cols) of a grid algorithm; None, or one of other than CP ranks: the registry's default."""
+    rope_fused: bool = True
+    """RoPE runs fused (kernels/rope.py; training/config.rope_fusion_on: GPU runs unless --no-rope-fusion or
+    packed documents): autograd keeps the model's fp32 freqs table once instead of each layer's bf16 cos and sin."""
 
     @property
     def head_dim(self) -> int:
@@ -115,12 +120,16 @@ class Model:
         """What autograd keeps per token for one layer's backward (see the module docstring); norms=False leaves
         out the two RMSNorms' own saved tensors (their inputs and fp32 statistics)."""
         h, a, g, d, f, e = self.hidden, self.heads, self.groups, self.head_dim, self.ffn, self.elem
-        kept = e * (3 * h + (a + 2 * g) * d + (a + g) * d + 2 * f + 4 * d) + 4 * a
+        rope = 0 if self.rope_fused else 4 * d        # unfused: q's and k's cos and sin, per layer
+        kept = e * (3 * h + (a + 2 * g) * d + (a + g) * d + 2 * f + rope) + 4 * a
         return kept + (2 * (e * h + 4) if norms else 0)
 
     def final_activation_bytes_per_token(self, norms: bool = True) -> float:
-        """The final norm's input, the output layer's input and the loss's fp32 softmax."""
-        return self.elem * self.hidden + 4 * self.vocab + ((self.elem * self.hidden + 4) if norms else 0)
+        """The final norm's input, the output layer's input and the loss's fp32 softmax; fused RoPE: the fp32
+        freqs table every layer's RoPE keeps (its fp32 cos/sin cache, 8 d bytes a token, is not saved for the
+        backward and is left to the headroom: 32 MiB at 2.7B, 64k, CP = 2)."""
+        rope = 4 * self.head_dim if self.rope_fused else 0
+        return self.elem * self.hidden + 4 * self.vocab + rope + ((self.elem * self.hidden + 4) if norms else 0)
 
 
 @dataclass(frozen=True)

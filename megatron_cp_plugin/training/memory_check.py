@@ -33,6 +33,7 @@ def model_from_args(args) -> memory.Model:
     from ..algos import registry
     from ..megatron.args import parse_grid
     from ..megatron.tokenizer import ByteTokenizer, padded_vocab_size
+    from .config import rope_fusion_on             # plans are for GPU runs
     vocab = padded_vocab_size(args.vocab_size or ByteTokenizer(None).vocab_size,
                               getattr(args, "make_vocab_size_divisible_by", 128))
     return memory.Model(layers=args.num_layers, hidden=args.hidden_size, heads=args.num_attention_heads,
@@ -40,7 +41,7 @@ def model_from_args(args) -> memory.Model:
                  ffn=args.ffn_hidden_size or 4 * args.hidden_size, vocab=vocab, seq=args.seq_length,
                  micro_batch=args.micro_batch_size, bf16=args.bf16,
                  algo=getattr(args, "context_parallel_algo", None) or registry.DEFAULT_ALGO,
-                 grid=parse_grid(getattr(args, "cp_grid", None)))
+                 grid=parse_grid(getattr(args, "cp_grid", None)), rope_fused=rope_fusion_on(args, gpu=True))
 
 
 def config_layout(a) -> memory.Layout:
