@@ -11,6 +11,7 @@
 # --offload-layer-inputs: no layout that keeps them on the GPU fits).
 #   OUT=/some/dir bash scripts/gpu_memory_check.sh
 #   STEPS="b2.7_64k m13_32k" ALGOS="ring allgather attention2d-o" OUT=/some/dir bash scripts/gpu_memory_check.sh
+# EXTRA: megatron-cp-pretrain flags added to every step (e.g. EXTRA=--overlap-grad-reduce).
 # Files under $OUT: <step>.log, <step>.md (the bench table), memory.md (every step's rows, plan vs peak),
 # summary.txt. Exits non-zero if a step fails or is skipped for time.
 set -u
@@ -53,7 +54,7 @@ for s in ${STEPS:-$ORDER}; do
   fi
   # shellcheck disable=SC2086
   step "$s" "${STEP_S:-300}" python3 -m megatron_cp_plugin.bench model --nproc 2 --no-cp1 --force --train-iters 3 \
-    ${ALGOS:+--algos $ALGOS} --out "$OUT/$s" $flags
+    ${ALGOS:+--algos $ALGOS} --out "$OUT/$s" $flags ${EXTRA:-}
   { echo "## $s: $flags"; grep -E "^\| (run|---|ring|burst|attention2d|allgather|ulysses)" "$OUT/$s.md"; echo; } \
     >> "$OUT/memory.md" 2>/dev/null
 done

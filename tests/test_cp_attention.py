@@ -814,3 +814,23 @@ def test_attention2d_o_adds_a_batched_calls_chunk_gradients_in_place(monkeypatch
     add_chunks_(part[1:4, 1], grads, ks)
     want[1:4, 1, :, ks] += grads.float()
     assert torch.equal(part, want)
+
+
+@pytest.mark.parametrize("order", ["zigzag", "scattered"])
+def test_ulysses_gathers_the_received_rows_in_the_attentions_order(order):
+    """ulysses._gather_rows: rows of the members' shards (strided views of the all-to-all's receive buffer) in
+    the order idx gives, as slices (zigzag: 2 U runs) or by one index kernel (many runs: packed documents)."""
+    from megatron_cp_plugin.algos import ulysses
+
+    U, b, s, hh, d = 4, 2, 24, 3, 5
+    buf = torch.randn(U, b, s, 2 * hh, d)                 # two parts side by side, as all_to_all receives them
+    rt = buf[:, :, :, :hh].transpose(0, 1)
+    if order == "zigzag":
+        idx, _ = ulysses._order(U * s, None, U, tuple(range(U)), 1, 0, True)
+    else:
+        idx = torch.randperm(U * s, generator=torch.Generator().manual_seed(0))
+    runs = ulysses._row_runs(idx, s)[0]
+    # zigzag: chunk i and 2U - 1 - i on member i; the middle two are one run of member U - 1
+    assert (runs is not None and len(runs) == 2 * U - 1) if order == "zigzag" else runs is None
+    want = rt.reshape(b, U * s, hh, d)[:, idx]
+    assert torch.equal(ulysses._gather_rows(rt, idx), want)

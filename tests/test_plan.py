@@ -264,10 +264,14 @@ def test_13b_with_fsdp_and_recompute_on_2_gpus_peaks_in_the_optimizer_step():
     fused = plan.estimate(m, plan.Layout("fsdp-optim_grads_params", recompute=True), 2, fused_adam=True)
     assert fused.step == root_gathered and fused.peak == "backward" and fused.total / 2**30 == pytest.approx(131.6,
                                                                                                           abs=0.05)
-    # ZeRO-1's optimizer steps plain tensors (the rank's fp32 main shard), DDP's every fp32 main weight
-    z1 = plan.estimate(m, plan.Layout("zero1", recompute=True), 2)
-    ddp = plan.estimate(m, plan.Layout("ddp", recompute=True), 2)
+    # ZeRO-1's optimizer steps plain tensors (the rank's fp32 main shard), DDP's every fp32 main weight: with torch's
+    # foreach Adam (Megatron-LM without TE or Apex) a temporary each; megatron-cp-pretrain fuses them (none)
+    z1 = plan.estimate(m, plan.Layout("zero1", recompute=True), 2, fused_adam=False)
+    ddp = plan.estimate(m, plan.Layout("ddp", recompute=True), 2, fused_adam=False)
     assert (z1.step, ddp.step) == (4 * m.params / 2, 4 * m.params)
+    assert [plan.estimate(m, plan.Layout(z, recompute=True), 2).step for z in ("zero1", "ddp")] == [0.0, 0.0]
+    pp2 = plan.Layout("zero1", pp=2, recompute=True)                             # Megatron-LM's layouts: foreach
+    assert plan.estimate(m, pp2, 2).step == plan.estimate(m, pp2, 2, fused_adam=False).step > 0
 
 
 def test_the_loss_moment_holds_the_fp32_softmax_beside_the_bf16_logits():

@@ -139,6 +139,7 @@ def test_fused_rope_trains_as_megatrons_unfused_rope(tmp_path):
         out.append((_losses(log), json.loads(res.read_text())))
     (fused, r0), (unfused, r1) = out
     assert r0["rope_fusion"] and not r1["rope_fusion"]
+    assert r0["fused_adam"] and r1["fused_adam"]       # torch's fused Adam on GPUs (megatron/compat.use_fused_adam)
     assert len(fused) == 3 and all(abs(a - b) <= 5e-3 for a, b in zip(fused, unfused)), list(zip(fused, unfused))
 
 
@@ -392,3 +393,26 @@ def test_profile_step_writes_each_ranks_table(tmp_path):
     for rank in (0, 1):
         text = (tmp_path / f"profile_step_r{rank}.txt").read_text()
         assert "train_step" in text and "aten::" in text
+
+
+@pytest.mark.parametrize("zero", ["ddp", "zero1"])
+def test_overlapped_gradient_reduction_trains_as_the_reduction_after_the_backward(tmp_path, zero):
+    """--overlap-grad-reduce (Megatron-LM's flag): Megatron's DDP reduces each bucket as the last micro-batch's
+    backward fills it, the earlier micro-batches under no_sync. Buckets of 5000 parameters (--ddp-bucket-size: many
+    of them), 4 micro-batches a step over CP = 2: the same sums, so the same losses as one reduction after."""
+    flags = ["--train-iters", "3", "--context-parallel-algo", "ring", "--micro-batch-size", "1",
+             "--global-batch-size", "4", *(["--use-distributed-optimizer"] if zero == "zero1" else [])]
+    out, buckets = [], []
+    for extra in ([], ["--overlap-grad-reduce", "--ddp-bucket-size", "5000"]):
+        log, res = tmp_path / f"log{len(extra)}.jsonl", tmp_path / f"res{len(extra)}.json"
+        _pretrain(*flags, *extra, "--log-json", str(log), "--result-json", str(res), nproc=2)
+        out.append(_losses(log))
+        r = json.loads(res.read_text())
+        buckets.append((r["overlap_grad_reduce"], r["grad_buckets"]))
+    assert buckets[0] == (False, 1) and buckets[1][0] and buckets[1][1] > 4, buckets    # one bucket, then many
+    assert len(out[0]) == 3 and out[0] == pytest.approx(out[1], rel=1e-6, abs=1e-6), out
+
+
+def test_a_bucket_size_below_one_is_refused_before_any_rank_starts():
+    r = _pretrain("--ddp-bucket-size", "0", check=False)
+    assert r.returncode != 0 and "--ddp-bucket-size 0: must be at least 1" in r.stdout + r.stderr

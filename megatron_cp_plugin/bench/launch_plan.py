@@ -55,11 +55,12 @@ def choose(a, trainer: str, layout: str, gpus: int, gpu_mem: float, headroom: fl
         lay = None if layout in ("auto", "config") else parse_layout(layout, trainer)
         return lay, f"plan: not checked ({e})", None
     cp_gpus = a.context_parallel_size or gpus     # a smaller CP leaves DP > 1: sharded over CP only (more bytes)
+    fused = False if trainer == "megatron-lm" else None   # Megatron-LM without TE / Apex: torch's foreach Adam
     if layout == "auto":                          # the configs' own layout while it fits: change only what must
         options = [config_layout(a)] + [lay for lay in candidates(a, m, cp_gpus, trainer) if lay != config_layout(a)]
     else:
         options = [config_layout(a) if layout == "config" else parse_layout(layout, trainer)]
-    sized = [(lay, plan.estimate(m, lay, cp_gpus).total / plan.GiB) for lay in options
+    sized = [(lay, plan.estimate(m, lay, cp_gpus, fused).total / plan.GiB) for lay in options
              if cp_gpus % lay.pp == 0 and m.layers % lay.pp == 0]
     if not sized:
         return None, "plan: -", f"launch: LAYOUT={layout}: no layout applies to {cp_gpus} GPUs and {m.layers} layers"
@@ -74,8 +75,8 @@ def choose(a, trainer: str, layout: str, gpus: int, gpu_mem: float, headroom: fl
                f"GiB + {headroom:g} GiB headroom; use more GPUs or a shorter SEQ (PLAN_FORCE=1 starts it anyway)")
     else:
         others = candidates(a, m, cp_gpus, trainer)
-        alt = next((o.name for o in others if plan.estimate(m, o, cp_gpus).total / plan.GiB + headroom <= gpu_mem),
-                   None)
+        alt = next((o.name for o in others
+                    if plan.estimate(m, o, cp_gpus, fused).total / plan.GiB + headroom <= gpu_mem), None)
         err = (f"launch: LAYOUT={layout} ({lay.name}) needs {gib:.1f} GiB + {headroom:g} GiB headroom per GPU of "
                f"{gpu_mem:g} GiB ({what}); " + (f"{alt} fits (LAYOUT=auto picks it)" if alt else "nothing fits")
                + "; PLAN_FORCE=1 starts it anyway")

@@ -29,9 +29,10 @@ def main(argv=None) -> int:
                         "required without a GPU)")
     p.add_argument("--headroom", type=float, default=4.0,
                    help="GiB per GPU kept free for the CUDA context, NCCL and allocator slack (default 4)")
-    p.add_argument("--fused-adam", action="store_true",
+    p.add_argument("--fused-adam", action="store_const", const=True, default=None,
                    help="TransformerEngine or Apex is installed where the run trains: Megatron's FusedAdam keeps no "
-                        "temporaries (default: torch's foreach Adam, an fp32 temporary per parameter stepped)")
+                        "temporaries in any layout (default: megatron-cp-pretrain's torch fused Adam for ddp and "
+                        "zero1, torch's foreach Adam under Megatron-FSDP, an fp32 temporary per parameter stepped)")
     p.add_argument("--json", default=None, help="also write the rows here")
     args = parse_with_configs(p, argv)
     mem, where = args.gpu_mem, "--gpu-mem"

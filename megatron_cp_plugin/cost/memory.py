@@ -44,8 +44,11 @@ The peak is the largest of these moments (bytes beyond the static weights, gradi
   backward     per layer from the top: the layers not yet done, the running layer (recomputed), the MLP's
                gradients or the algorithm's backward buffers; ZeRO-3: the gradient buckets and the queue
   end          ZeRO-3 after the last layer: the queue and the root unit's gradients
-  step         the optimizer step: torch's foreach Adam (no TransformerEngine / Apex, --fused-adam off) keeps an
-               fp32 temporary per parameter it steps (4 bytes x the rank's shard); nothing else is alive
+  step         the optimizer step: torch's foreach Adam keeps an fp32 temporary per parameter it steps (4 bytes x
+               the rank's shard), a fused Adam none; nothing else is alive. Fused: megatron-cp-pretrain's DDP and
+               ZeRO-1 on GPUs (torch's fused kernel, megatron/compat.use_fused_adam), or any layout with
+               TransformerEngine or Apex (--fused-adam); foreach: Megatron-FSDP's DTensors without them, and
+               Megatron-LM's runs without them (pipeline layouts, launch_plan --trainer megatron-lm)
 `transient` is the peak moment less the kept activations (at `step`, where those are freed, the step's bytes
 less them), so that the five columns add up to the total; `peak` names the moment, `step` the step's bytes.
 """
@@ -221,9 +224,10 @@ def static_bytes(m: Model, zero: str, params: float, shards: int) -> tuple[float
     raise ValueError(f"layout must be one of {ZERO_LAYOUTS}, got {zero!r}")
 
 
-def estimate(m: Model, layout: Layout, gpus: int, fused_adam: bool = False) -> Estimate:
-    """Per-GPU bytes of m under layout on `gpus` GPUs (CP = gpus / pipeline stages); `fused_adam`: the optimizer
-    step keeps no temporaries (TransformerEngine's or Apex's FusedAdam installed)."""
+def estimate(m: Model, layout: Layout, gpus: int, fused_adam: bool | None = None) -> Estimate:
+    """Per-GPU bytes of m under layout on `gpus` GPUs (CP = gpus / pipeline stages); `fused_adam`: whether the
+    optimizer step keeps no temporaries: True, TransformerEngine's or Apex's FusedAdam installed; False, torch's
+    foreach Adam everywhere (Megatron-LM without them); None, megatron-cp-pretrain's choice (`fused_adam_for`)."""
     if gpus < 1 or gpus % layout.pp:
         raise ValueError(f"--gpus {gpus} must be a positive multiple of the pipeline stages ({layout.pp})")
     if m.layers % layout.pp:

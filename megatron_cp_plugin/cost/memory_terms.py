@@ -308,6 +308,15 @@ def fsdp_queued_grads(layer_params: int) -> int:
     return math.ceil(fsdp_unit(layer_params) / layer_params)
 
 
+def fused_adam_for(layout, fused_adam: bool | None) -> bool:
+    """Whether `layout`'s optimizer step is fused: `fused_adam` where given, else megatron-cp-pretrain's on GPUs:
+    torch's fused Adam for DDP and ZeRO-1 (plain tensors: megatron/compat.use_fused_adam), foreach under
+    Megatron-FSDP (DTensors) and in pipeline layouts (Megatron-LM's runs)."""
+    if fused_adam is not None:
+        return fused_adam
+    return layout.pp == 1 and layout.zero in ("ddp", "zero1")
+
+
 def adam_step_bytes(stepped_params: float, fused: bool) -> float:
     """The optimizer step's temporaries: torch's foreach Adam keeps one fp32 exp_avg_sq_sqrt per parameter it steps
     (4 bytes each); TransformerEngine's or Apex's FusedAdam none."""
@@ -348,7 +357,7 @@ def layer_bytes(m, layout, cp: int, algo: str) -> LayerBytes:
 
 
 def moments(m, layout, lb: LayerBytes, params: float, root: float, layers: int, in_flight: int,
-            has_loss: bool, fused_adam: bool = False) -> dict[str, float]:
+            has_loss: bool, fused_adam: bool | None = None) -> dict[str, float]:
     """Bytes beyond the static ones at each moment of a step (cost/memory.py's module docstring) on one stage of
     `layers` layers with `in_flight` micro-batches kept and `params` parameters, `root` of them the root unit's."""
     cp, t = lb.attn.cp, lb.attn.tokens
@@ -385,6 +394,6 @@ def moments(m, layout, lb: LayerBytes, params: float, root: float, layers: int, 
         out["end"] = e * root + 4.0 * root + e * m.vocab * h + 4.0 * L * min(layers, nq)
     # ZeRO-3: the root unit's gathered bf16 weights stay through the step on newer megatron-core (0.19.2 marks the
     # root bucket preserved; 0.16.1 frees it and gathers it again after the step): counted, at most 1 GiB (13B)
-    out["step"] = adam_step_bytes(params if layout.zero == "ddp" else params / cp, fused_adam) + (e * root if zero3
-                                                                                                 else 0.0)
+    out["step"] = adam_step_bytes(params if layout.zero == "ddp" else params / cp,
+                                  fused_adam_for(layout, fused_adam)) + (e * root if zero3 else 0.0)
     return out

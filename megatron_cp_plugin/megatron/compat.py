@@ -30,6 +30,10 @@
   TransformerEngine fills (None without it, and the config refuses the flag). `install_fused_rope` puts our Triton
   kernel (kernels/rope.py) there where TE did not, so that the trainer's GPU runs fuse RoPE with or without TE;
   interleaved RoPE, which the kernel does not implement, goes to megatron-core's own unfused function.
+- Without TE or Apex megatron-core steps torch's Adam in its foreach form: ~10 passes over the fp32 state and
+  an fp32 temporary per parameter. `use_fused_adam` switches its param groups to torch's fused kernel, which
+  computes the same update in one pass and keeps no temporary. The trainer does this on GPUs for DDP and the
+  distributed optimizer (plain tensors), not under Megatron-FSDP, whose optimizer steps DTensors.
 - `DistributedOptimizer.load_state_dict` copies fp32 main parameters into views of leaf parameters that
   require grad; without `torch.no_grad()` autograd refuses (fp32 training: the CPU path). The trainer loads
   under no_grad.
@@ -103,6 +107,34 @@ def restore_adam_steps(optimizer) -> None:
             if "step" in group:
                 for p in group["params"]:
                     opt.optimizer.state[p]["step"] = torch.tensor(float(group["step"]))
+
+
+def use_fused_adam(optimizer, devices=("cuda",)) -> bool:
+    """Step megatron-core's torch Adam (no TE or Apex) with torch's fused kernel where every parameter of a group
+    is a plain floating tensor on one of `devices`: one multi-tensor kernel instead of foreach's ~10 passes, and
+    no fp32 temporary per parameter. Idempotent; after a checkpoint load it also moves the restored steps onto
+    the parameters' device (the fused kernel reads them there). True where some group now runs fused."""
+    from torch.distributed.tensor import DTensor
+
+    any_fused = False
+    for opt in _fsdp_optimizers(optimizer):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)) or inner.defaults.get("differentiable"):
+            continue                                  # TE's or Apex's FusedAdam: fused already
+        for group in inner.param_groups:
+            params = group["params"]
+            if not params or not all(p.device.type in devices and p.is_floating_point() and
+                                     not isinstance(p, DTensor) for p in params):
+                continue
+            group["fused"], group["foreach"] = True, False
+            for p in params:
+                st = inner.state.get(p, {})
+                if "step" in st:
+                    st["step"] = torch.as_tensor(st["step"], dtype=torch.float32).to(p.device)
+            any_fused = True
+        if any_fused:
+            inner.defaults.update(fused=True, foreach=False)
+    return any_fused
 
 
 def zero_dp_reshardable_padding(optim_sd) -> None:

@@ -298,6 +298,9 @@ def load_checkpoint(trainer) -> None:
     with torch.no_grad():                              # see megatron/compat.py
         trainer.optimizer.load_state_dict(loaded["optimizer"])
     restore_adam_steps(trainer.optimizer)
+    if getattr(trainer, "fused_adam", False):          # the load restored the saved groups' flags and CPU steps
+        from ..megatron.compat import use_fused_adam
+        use_fused_adam(trainer.optimizer)
     trainer.scheduler.load_state_dict(loaded["scheduler"])
     trainer.iteration = int(loaded["iteration"])
     set_rng_state(rng, trainer.gpu)

@@ -45,6 +45,14 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     a("--bf16", action="store_true")
     a("--use-distributed-optimizer", action="store_true",
       help="Megatron's distributed optimizer: optimizer state sharded over data-parallel x CP (ZeRO-1)")
+    a("--overlap-grad-reduce", action="store_true",
+      help="as Megatron-LM: Megatron's DDP and the distributed optimizer reduce (-scatter) each gradient bucket "
+           "during the backward of the last micro-batch, as it fills, instead of all after it (Megatron-FSDP's "
+           "optim_grads and optim_grads_params always do; with optim it stays off: megatron-core 0.16.1 trains "
+           "wrong with it there)")
+    a("--ddp-bucket-size", type=int, default=None,
+      help="as Megatron-LM: parameters per gradient bucket of Megatron's DDP with --overlap-grad-reduce (default "
+           "megatron-core's: max(40M, 1M x data-parallel size))")
     a("--use-megatron-fsdp", action="store_true",
       help="Megatron-FSDP over data-parallel x CP: shards what --data-parallel-sharding-strategy names")
     a("--data-parallel-sharding-strategy", choices=SHARDING_STRATEGIES, default=None,
@@ -223,7 +231,7 @@ def launch_errors(args) -> list[str]:
         errors.append(f"--nproc {args.nproc}: must be at least 1 (local processes to spawn)")
     # (--eval-interval / --save-interval / --exit-interval 0 keep meaning "never", as their `if` reads them)
     for flag in ("log_interval", "micro_batch_size", "train_iters", "seq_length", "global_batch_size",
-                 "make_vocab_size_divisible_by"):
+                 "make_vocab_size_divisible_by", "ddp_bucket_size"):
         value = getattr(args, flag, None)
         if value is not None and value < 1:
             errors.append(f"--{flag.replace('_', '-')} {value}: must be at least 1")

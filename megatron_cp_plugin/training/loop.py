@@ -62,6 +62,11 @@ def train(args) -> list[float]:
               f"{' (attention: sum of squared document lengths)' if trainer.document_unit else ''}", flush=True)
     losses, saved, packed_flops = [], False, []
     result = report.start_record(args, world, cp_cfg, device, trainer.n_params, trainer.vocab_rows, flops)
+    if result is not None:
+        result["fused_adam"] = trainer.fused_adam      # torch's fused Adam kernel (megatron/compat.use_fused_adam)
+        # Megatron's DDP: gradient buckets, reduced during the backward with --overlap-grad-reduce
+        result["grad_buckets"] = len(getattr(trainer.model, "bucket_groups", ())) or None
+        result["overlap_grad_reduce"] = trainer.overlap_grad_reduce
     t0 = time.perf_counter()
     while trainer.iteration < args.train_iters:
         t_step = time.perf_counter()
