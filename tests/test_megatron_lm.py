@@ -328,3 +328,17 @@ def test_megatron_lm_tooling_sits_above_the_runtime_with_no_import_running_back_
     for a, deps in tooling.items():
         for b in deps:
             assert a not in tooling.get(b, ()), ("import circle", a, b)
+
+
+def test_overlap_grad_reduce_and_bucket_size_reach_megatron_lm_by_their_names():
+    """--overlap-grad-reduce and --ddp-bucket-size are Megatron-LM's flags: megatron-cp-pretrain's translation
+    passes them through as they were given (and not when they were not)."""
+    from megatron_cp_plugin.megatron_lm.flags import megatron_lm_flags
+    from megatron_cp_plugin.training.config import build_parser, parse_args
+
+    base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8", "--use-distributed-optimizer"]
+    on = megatron_lm_flags(parse_args(base + ["--overlap-grad-reduce", "--ddp-bucket-size", "5000"]), build_parser(),
+                           world_size=1, layout="zero1")
+    off = megatron_lm_flags(parse_args(base), build_parser(), world_size=1, layout="zero1")
+    assert on.count("--overlap-grad-reduce") == 1 and on[on.index("--ddp-bucket-size") + 1] == "5000"
+    assert "--overlap-grad-reduce" not in off and "--ddp-bucket-size" not in off
