@@ -118,7 +118,7 @@ def use_fused_adam(optimizer, devices=("cuda",)) -> bool:
 
     any_fused = False
     for opt in _fsdp_optimizers(optimizer):
-        inner = getattr(opt, "optimizer", None)
+        inner, fused = getattr(opt, "optimizer", None), False
         if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)) or inner.defaults.get("differentiable"):
             continue                                  # TE's or Apex's FusedAdam: fused already
         for group in inner.param_groups:
@@ -131,9 +131,10 @@ def use_fused_adam(optimizer, devices=("cuda",)) -> bool:
                 st = inner.state.get(p, {})
                 if "step" in st:
                     st["step"] = torch.as_tensor(st["step"], dtype=torch.float32).to(p.device)
-            any_fused = True
-        if any_fused:
+            fused = True
+        if fused:
             inner.defaults.update(fused=True, foreach=False)
+        any_fused |= fused
     return any_fused
 
 
