@@ -35,13 +35,31 @@ for f in files:
 print(" ".join(mine))
 PY
 )}
-# Failures named as they happen (tests/conftest.py): a run cut off by LIMIT has no pytest summary.
-export MCP_FAILURE_LOG="$OUT/failures.txt"; : > "$MCP_FAILURE_LOG"
+# Failures named as they happen, and each test's start and end (tests/conftest.py): a run cut off by LIMIT has no
+# pytest summary, so the summary names the tests still running then. A test still running after DUMP_AFTER s
+# (default 240; the longest test of a green run took 133 s) has every thread's Python stack written to the log
+# (pytest's faulthandler_timeout: it also works while the test waits inside C++, a CUDA or gloo call, where
+# pytest-timeout's signal cannot interrupt it). --maxschedchunk 1: xdist hands each worker one test at a time, so
+# that no long test waits queued behind another worker's while the other workers idle at the end.
+export MCP_FAILURE_LOG="$OUT/failures.txt" MCP_RUNNING_LOG="$OUT/running.txt"
+: > "$MCP_FAILURE_LOG"; : > "$MCP_RUNNING_LOG"
 start=$SECONDS
-timeout "${LIMIT:-570}" python3 -m pytest -q -n "$WORKERS" --timeout 500 -p no:cacheprovider \
-  --junitxml "$OUT/junit.xml" $TESTS "$@" 2>&1 | tee "$OUT/gpu_tests.log"
+timeout "${LIMIT:-570}" python3 -m pytest -q -n "$WORKERS" --maxschedchunk 1 --timeout 500 -p no:cacheprovider \
+  -o faulthandler_timeout="${DUMP_AFTER:-240}" --junitxml "$OUT/junit.xml" $TESTS "$@" 2>&1 | tee "$OUT/gpu_tests.log"
 rc=${PIPESTATUS[0]}
 counts=$(grep -E "^[0-9]+ (passed|failed)|[0-9]+ (passed|failed).* in " "$OUT/gpu_tests.log" | tail -1)
-echo "gpu_tests: $(date -u +%F) on $DEVICE, $((SECONDS - start)) s, ${WORKERS} workers${SHARD:+, shard $SHARD}: ${counts:-no summary} (rc=$rc)" | tee "$OUT/summary.txt"
+running=$(python3 - "$MCP_RUNNING_LOG" <<'PY'
+import sys, time
+started = {}
+for line in open(sys.argv[1]):
+    what, t, nodeid = line.rstrip("\n").split("\t", 2)
+    if what == "start":
+        started[nodeid] = int(t)
+    else:
+        started.pop(nodeid, None)
+print("; ".join(f"{n} ({time.time() - t:.0f} s)" for n, t in sorted(started.items(), key=lambda kv: kv[1])))
+PY
+)
+echo "gpu_tests: $(date -u +%F) on $DEVICE, $((SECONDS - start)) s, ${WORKERS} workers${SHARD:+, shard $SHARD}: ${counts:-no summary} (rc=$rc)${running:+; still running: $running}" | tee "$OUT/summary.txt"
 grep "^FAILED" "$MCP_FAILURE_LOG"        # with the end of each report there
 exit "$rc"

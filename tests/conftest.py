@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -28,6 +29,24 @@ def pytest_runtest_logreport(report):
         with open(path, "a") as f:
             f.write(f"FAILED {report.nodeid} ({report.when})\n")
             f.write("".join(f"    {ln}\n" for ln in report.longreprtext[-4000:].splitlines()))   # its last lines
+
+
+def _running_log(line: str) -> None:
+    path = os.environ.get("MCP_RUNNING_LOG")
+    if path and "PYTEST_XDIST_WORKER" not in os.environ:                    # xdist relays both to the controller
+        with open(path, "a") as f:
+            f.write(line)
+
+
+def pytest_runtest_logstart(nodeid, location):
+    """MCP_RUNNING_LOG=path: a line when each test starts and one when it ends, so that a run cut off by its time
+    limit names the tests it was still running (scripts/gpu_tests.sh: the 2 x H200 shard 2 of 2026-11-27 was cut
+    twice at 953 of 954 tests, with nothing to say which one)."""
+    _running_log(f"start\t{time.time():.0f}\t{nodeid}\n")
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    _running_log(f"end\t{time.time():.0f}\t{nodeid}\n")
 
 
 @pytest.fixture(scope="module")
