@@ -335,9 +335,27 @@ def all_to_all(group, parts, stats=None, phase="forward", recv=None) -> list:
     a tensor part); such a part comes back as a list. Unequal chunks travel as they are, with all_to_all_single's
     split sizes: padding them to the largest would send bytes for nothing, while split sizes cost nothing (torch
     runs the equal-split all-to-all on NCCL as the same one send and one receive per peer)."""
+    return all_to_all_start(group, parts, stats, phase, recv).wait()
+
+
+class PostedAllToAll:
+    """An all_to_all posted and not yet waited for (`all_to_all_start`): `wait()` returns what all_to_all returns."""
+
+    def __init__(self, posted: Posted | None, unpack):
+        self.posted, self.unpack = posted, unpack
+
+    def wait(self) -> list:
+        if self.posted is not None:
+            self.posted.wait()
+        return self.unpack()
+
+
+def all_to_all_start(group, parts, stats=None, phase="forward", recv=None) -> PostedAllToAll:
+    """all_to_all posted: the send buffer is packed and the collective started (on NCCL its own stream), and
+    `wait()` returns the parts as all_to_all does. The caller computes while it travels (ulysses' head chunks)."""
     if recv is None and all(isinstance(t, torch.Tensor) for t in parts):
         if group is None:
-            return [t.contiguous() for t in parts]
+            return PostedAllToAll(None, lambda: [t.contiguous() for t in parts])
         g = dist.get_world_size(group)
         sizes = [t[0].numel() * t.element_size() for t in parts]
         if len(parts) == 1 and parts[0].is_contiguous():
@@ -348,25 +366,29 @@ def all_to_all(group, parts, stats=None, phase="forward", recv=None) -> list:
             flat = torch.empty((g, sum(sizes)), dtype=torch.uint8, device=parts[0].device)
             at = 0
             for t, n in zip(parts, sizes):
-                dst = _typed(flat, at, n, t)
+                dst = _typed(flat, at, n, t.dtype, t.shape)
                 if dst is None:
                     flat[:, at:at + n] = t.contiguous().view(g, -1).view(torch.uint8)
                 else:
                     dst.copy_(t)
                 at += n
         out = torch.empty_like(flat)
-        run_collective(dist.all_to_all_single, out, flat, group=group)
+        posted = start_collective(dist.all_to_all_single, out, flat, group=group)
         _count(stats, phase, (g - 1) * flat[0].numel())
-        res, at = [], 0
-        for t, n in zip(parts, sizes):
-            # Each part a view of the receive buffer where its bytes are aligned for its dtype (no copy).
-            x = _typed(out, at, n, t)
-            res.append(x if x is not None else out[:, at:at + n].contiguous().view(t.dtype).view(t.shape))
-            at += n
-        return res
+        shapes = [(t.dtype, t.shape) for t in parts]                 # not the parts: their memory may go now
+
+        def unpack():
+            res, at = [], 0
+            for (dt, shape), n in zip(shapes, sizes):
+                # Each part a view of the receive buffer where its bytes are aligned for its dtype (no copy).
+                x = _typed(out, at, n, dt, shape)
+                res.append(x if x is not None else out[:, at:at + n].contiguous().view(dt).view(shape))
+                at += n
+            return res
+        return PostedAllToAll(posted, unpack)
     recv = recv or [None] * len(parts)
     if group is None:
-        return [p if r is None else list(p) for p, r in zip(parts, recv)]
+        return PostedAllToAll(None, lambda: [p if r is None else list(p) for p, r in zip(parts, recv)])
     g, me = dist.get_world_size(group), dist.get_rank(group)
     dtypes = [p[0].dtype for p in parts]
     shapes = [[tuple(p[0].shape)] * g if r is None else [tuple(x) for x in r] for p, r in zip(parts, recv)]
@@ -376,25 +398,28 @@ def all_to_all(group, parts, stats=None, phase="forward", recv=None) -> list:
     split_in = [x.numel() for x in send]
     split_out = [sum(n[c] for n in nbytes) for c in range(g)]
     out = torch.empty(sum(split_out), dtype=torch.uint8, device=send[0].device)
-    run_collective(dist.all_to_all_single, out, torch.cat(send), split_out, split_in, group=group)
+    posted = start_collective(dist.all_to_all_single, out, torch.cat(send), split_out, split_in, group=group)
     _count(stats, phase, sum(split_in) - split_in[me])
-    got = [[] for _ in parts]
-    at = 0
-    for c in range(g):
-        for i, (dt, s) in enumerate(zip(dtypes, shapes)):
-            x = out[at:at + nbytes[i][c]]
-            got[i].append((x if at % dt.itemsize == 0 else x.clone()).view(dt).view(s[c]))  # view(dtype): aligned
-            at += nbytes[i][c]
-    return [torch.stack(x) if r is None else x for x, r in zip(got, recv)]
+
+    def unpack():
+        got = [[] for _ in parts]
+        at = 0
+        for c in range(g):
+            for i, (dt, s) in enumerate(zip(dtypes, shapes)):
+                x = out[at:at + nbytes[i][c]]
+                got[i].append((x if at % dt.itemsize == 0 else x.clone()).view(dt).view(s[c]))  # aligned
+                at += nbytes[i][c]
+        return [torch.stack(x) if r is None else x for x, r in zip(got, recv)]
+    return PostedAllToAll(posted, unpack)
 
 
-def _typed(buf: torch.Tensor, at: int, n: int, t: torch.Tensor):
-    """Columns at .. at + n of the byte buffer buf [g, row] as a tensor of t's dtype and shape (a strided view), or
+def _typed(buf: torch.Tensor, at: int, n: int, dtype: torch.dtype, shape):
+    """Columns at .. at + n of the byte buffer buf [g, row] as a tensor of that dtype and shape (a strided view), or
     None where the bytes are not aligned for the dtype."""
-    e = t.element_size()
+    e = dtype.itemsize
     if at % e or buf.shape[1] % e or buf.storage_offset() % e:
         return None
-    return buf[:, at:at + n].view(t.dtype).view(t.shape)
+    return buf[:, at:at + n].view(dtype).view(shape)
 
 
 def reduce_at_owner(group, x: torch.Tensor, me: int, wire: torch.dtype, stats=None, phase="backward"):

@@ -834,3 +834,51 @@ def test_ulysses_gathers_the_received_rows_in_the_attentions_order(order):
     assert (runs is not None and len(runs) == 2 * U - 1) if order == "zigzag" else runs is None
     want = rt.reshape(b, U * s, hh, d)[:, idx]
     assert torch.equal(ulysses._gather_rows(rt, idx), want)
+
+
+def _ulysses_head_chunks(rank, world, heads):
+    """Ulysses with its head chunks forced on (PIPELINE_MIN_BYTES = 0) against fp64, dense and packed, causal and
+    not, fp32 and bf16; and, fp32, bit for bit the single all-to-all's output and gradients and its bytes."""
+    from megatron_cp_plugin.algos import ulysses
+
+    keep = ulysses.PIPELINE_MIN_BYTES
+    bad, chunks = [], []
+    try:
+        for i, ((h, hk), causal) in enumerate(itertools.product(heads, (True, False))):
+            plan = ulysses.HeadsPlan(dist.group.WORLD, world, rank, tuple(range(world)), world, hk)
+            ulysses.PIPELINE_MIN_BYTES = 0
+            chunks.append(ulysses.head_chunks(plan, h, hk, 1))
+            for dtype in (torch.float32, torch.bfloat16):
+                bad += _case(rank, world, "ulysses", dtype, causal, h, hk, 16, seed=900 * world + i)
+            bad += _packed_case(rank, world, "ulysses", torch.float32, causal, h, hk, seed=950 * world + i)
+            q, k, v, do = _inputs(40 + i, 2 * world * 5, h, hk, 16, torch.float32)
+            shard = lambda t: mcp.shard_sequence(t, algo="ulysses").detach()  # noqa: E731
+            runs = []
+            for floor in (0, 1 << 62):                                      # chunked, then one all-to-all
+                ulysses.PIPELINE_MIN_BYTES = floor
+                ql, kl, vl = (shard(t).requires_grad_() for t in (q, k, v))
+                stats = mcp.CommStats()
+                o = mcp.context_parallel_attention(ql, kl, vl, algo="ulysses", causal=causal, comm_stats=stats)
+                o.backward(shard(do))
+                runs.append(((o, ql.grad, kl.grad, vl.grad), (stats.forward_bytes, stats.backward_bytes)))
+            (got, got_bytes), (want, want_bytes) = runs
+            if not all(torch.equal(a, b) for a, b in zip(got, want)) or got_bytes != want_bytes:
+                bad.append(f"P={world} h={h}/{hk} causal={causal}: chunks differ from one all-to-all "
+                           f"(bytes {got_bytes} vs {want_bytes})")
+    finally:
+        ulysses.PIPELINE_MIN_BYTES = keep
+    assert not bad, "\n".join(bad)
+    return chunks
+
+
+@pytest.mark.parametrize("world,heads,chunks", [
+    (2, ((8, 8), (16, 4), (8, 2), (6, 3)), [4, 4, 2, 2, 1, 1, 1, 1]),
+    (3, ((12, 12), (12, 4)), [4, 4, 1, 1]),
+    (4, ((8, 8), (8, 2)), [2, 2, 1, 1])])
+def test_ulysses_head_chunks_match_fp64_and_one_all_to_all(pools, world, heads, chunks):
+    """Ulysses' pipelined head chunks (`head_chunks`: each chunk's all-to-all posted while the one before attends)
+    are each a smaller ulysses call: against fp64 as the algorithm's other tests, and the same bits and bytes as
+    the single all-to-all. MHA and GQA chunk where each chunk's K, V heads still split over the members (2 x 4 q /
+    2 K, V heads at P = 2: 2 chunks; 4 x 2 q / 2 at P = 4); none where a chunk would send K, V heads to several
+    members that the whole call sends once (8 q / 2 K, V at P = 2; 12 / 4 at P = 3; 6 / 3 at P = 2)."""
+    assert pools(world).run(_ulysses_head_chunks, heads, timeout=300) == [chunks] * world

@@ -28,6 +28,15 @@ would raise ulysses-ring's ring bytes (h = 6, h_kv = 3, U = 2: 3 K, V heads per 
 q heads to a uniform group the flops (h = 12, h_kv = 4, P = 3: 6 q slots for 4 heads). h % P != 0 is a one-line
 ValueError before any collective (`check_heads`).
 
+Head chunks (`chunk_count`). Each all-to-all sits between the layer's work and the attention, which waits for
+it. Where every chunk still sends >= PIPELINE_MIN_BYTES, ulysses cuts its heads into C <= MAX_HEAD_CHUNKS chunks,
+each an ulysses call of its own (q heads c h / C .. and the K, V heads they read): every chunk's Q, K, V all-to-all
+is posted at once (comm.all_to_all_start; NCCL runs them in order on its stream), chunk c attends as soon as its
+own has arrived while the later ones travel, and its output's all-to-all back is posted as it ends; the backward
+likewise with dO and dQ, dK, dV. Only the first chunk's inputs and the last one's outputs stay exposed, 1 / C of
+the bytes each way. Same bytes (chunks that would send a K, V head to more members than the whole call does are
+not taken), same kernels per head, the same bits on the CPU (tests/test_cp_attention.py).
+
 Design notes (looked up, not copied): TransformerEngine's `cp_comm_type=a2a` (`AttnFuncWithCPAndQKVOA2A`) and
 yunchang's Ulysses attention exchange each of Q, K, V in its own all-to-all and need the KV heads divisible by
 the group; here Q, K, V share one all-to-all (comm.all_to_all packs them), as do dQ, dK, dV, and K, V heads the
@@ -48,7 +57,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..comm import CommStats, all_to_all
+from ..comm import CommStats, all_to_all_start
 from ..kernels.local_attn import acc_dtype, block_bwd, block_fwd
 from ..kernels.segments import Segments, to_device
 from ._function import CPAttention
@@ -160,10 +169,10 @@ def _kv_split(spans, size: int):
     return "index", torch.cat([torch.arange(lo, hi) for lo, hi in spans])
 
 
-def to_heads(plan: HeadsPlan, xs, idx, stats, phase):
+def to_heads(plan: HeadsPlan, xs, idx, stats, phase) -> _Deferred:
     """[(x [b, s, H, d], K, V spans or None)] -> [x' [b, U s, H', d]]: all tokens of the group and this member's
     heads (None: H / U of them, in member order; spans: kv_spans[me]), rows in the attention's order; one all-to-all
-    for all of them."""
+    for all of them, posted: `.wait()` returns the list."""
     U = plan.size
     send, recv = [], []
     for x, spans in xs:
@@ -179,11 +188,13 @@ def to_heads(plan: HeadsPlan, xs, idx, stats, phase):
             H = x.shape[2]
         send.append(x.reshape(b, s, U, H // U, d).permute(2, 0, 1, 3, 4))          # [U, b, s, H / U, d]
         recv.append(None)
-    out = []
-    for r in all_to_all(plan.a2a, send, stats, phase, recv if any(recv) else None):
-        r = torch.stack(r) if isinstance(r, list) else r            # [U, b, s, hh, d], a view of the receive buffer
-        out.append(_gather_rows(r.transpose(0, 1), idx))
-    return out
+    posted = all_to_all_start(plan.a2a, send, stats, phase, recv if any(recv) else None)
+
+    def finish():
+        # each [U, b, s, hh, d], a view of the receive buffer (stacked where the chunks were unequal)
+        return [_gather_rows((torch.stack(r) if isinstance(r, list) else r).transpose(0, 1), idx)
+                for r in posted.wait()]
+    return _Deferred(finish)
 
 
 def _gather_rows(rt, idx):
@@ -212,10 +223,10 @@ def _row_runs(idx, s):
     return tuple((int(m[a]), int(r[a]), int(r[a]) + e - a) for a, e in zip(starts, ends)), member, row
 
 
-def to_sequence(plan: HeadsPlan, xs, inv, stats, phase):
-    """The inverse of `to_heads`: [(x' [b, U s, hh, d], spans or None)] -> [x [b, s, H, d]]: None, the members'
-    heads side by side (H = U hh); spans, each K, V head's partials from the members that read it (kv_spans)
-    summed in fp32 at the owner."""
+def to_sequence(plan: HeadsPlan, xs, inv, stats, phase, out) -> _Deferred:
+    """The inverse of `to_heads`: [(x' [b, U s, hh, d], spans or None)] -> out [x [b, s, H, d]] (views to write
+    into): None, the members' heads side by side (H = U hh); spans, each K, V head's partials from the members that
+    read it (kv_spans) summed in fp32 at the owner. Posted: the results are in `out` after `.wait()`."""
     U = plan.size
     send, recv, hows = [], [], []
     for x, spans in xs:
@@ -224,14 +235,20 @@ def to_sequence(plan: HeadsPlan, xs, inv, stats, phase):
         how = _kv_split(spans, U)[0] if spans is not None else "even"
         recv.append([(b, n // U, hi - lo, d) for lo, hi in spans] if how == "uneven" else None)
         hows.append(how)
-    out = []
-    for r, (_, spans), how in zip(all_to_all(plan.a2a, send, stats, phase, recv if any(recv) else None), xs, hows):
-        if isinstance(r, list):
-            r = torch.cat(r, 2)                                     # [b, s, k_0 + .. + k_{U-1}, d]
-        else:
-            r = r.permute(1, 2, 0, 3, 4).reshape(r.shape[1], r.shape[2], U * r.shape[3], r.shape[4])
-        out.append(r if how == "even" else _sum_at_owner(r, spans))
-    return out
+    posted = all_to_all_start(plan.a2a, send, stats, phase, recv if any(recv) else None)
+
+    def finish():
+        for r, (_, spans), how, dst in zip(posted.wait(), xs, hows, out):
+            if how == "even":                                       # r [U, b, s, hh, d]: member u's heads at u
+                b, s, H, d = dst.shape
+                dst.view(b, s, U, H // U, d).copy_(r.permute(1, 2, 0, 3, 4))
+            elif how == "uneven":
+                dst.copy_(_sum_at_owner(torch.cat(r, 2), spans))  # [b, s, k_0 + .. + k_{U-1}, d] summed
+            else:
+                b, s = r.shape[1], r.shape[2]
+                dst.copy_(_sum_at_owner(r.permute(1, 2, 0, 3, 4).reshape(b, s, -1, r.shape[4]), spans))
+        return out
+    return _Deferred(finish)
 
 
 def _sum_at_owner(dkv, spans):
@@ -258,10 +275,56 @@ def _per_segment(segs, fn, args, dims):
     return tuple(torch.cat(parts, d) for parts, d in zip(zip(*outs), dims))
 
 
+class _Deferred:
+    """An all-to-all posted (comm.all_to_all_start): `wait()` waits for it and returns what `finish` makes of it."""
+
+    def __init__(self, finish):
+        self.finish = finish
+
+    def wait(self):
+        return self.finish()
+
+
+PIPELINE_MIN_BYTES = 32 << 20
+"""Ulysses cuts its heads into chunks (`head_chunks`) only where each chunk's Q, K, V all-to-all still sends at
+least this many bytes per rank: there one all-to-all takes ~0.1 ms on NVLink, far above a launch. Not yet
+timed on a GPU (2026-11-27: written without device time): the profile it answers is GPT-3 2.7B at 64k on
+2 x H200, 128 all-to-alls a step in 119 ms of a 4.56 s step, each waited for before its attention."""
+MAX_HEAD_CHUNKS = 4
+"""At most this many chunks: the first chunk's all-to-all in and the last one's out stay exposed (1 / C of the
+bytes each way), and every chunk is a kernel call of its own."""
+
+
+def head_chunks(plan: HeadsPlan, h: int, h_kv: int, nbytes: int) -> int:
+    """C, the head chunks this call pipelines (`chunk_count`); 1 without an all-to-all, and for ulysses-ring,
+    whose ring passes would share the time with a second communicator."""
+    if plan.a2a is None or plan.ring is not None:
+        return 1
+    return chunk_count(h, h_kv, plan.size, nbytes)
+
+
+def chunk_count(h: int, h_kv: int, U: int, nbytes: int) -> int:
+    """C, the head chunks ulysses pipelines over an all-to-all of U ranks (1: none): chunk c is q heads c h / C ..
+    (c + 1) h / C - 1 and the K, V heads they read, c h_kv / C .. (c + 1) h_kv / C - 1, an ulysses call of its own
+    (C divides h_kv, U divides h / C), and only where the chunks send the bytes the whole call does (with GQA a
+    chunk of fewer K, V heads than members would send its heads to several members: 8 q / 2 K, V heads over 2
+    ranks in 2 chunks would send twice the K, V bytes). Every chunk's all-to-all is posted at once and NCCL runs
+    them in order on its stream while the chunks before attend; each output's all-to-all back is posted as its
+    chunk ends. `nbytes`: this rank's Q, K, V bytes."""
+    whole = sum(hi - lo for lo, hi in kv_spans(h, h_kv, U))               # K, V heads received, over the members
+    for c in range(MAX_HEAD_CHUNKS, 1, -1):
+        if (h_kv % c == 0 and (h // c) % U == 0 and nbytes // c >= PIPELINE_MIN_BYTES
+                and c * sum(hi - lo for lo, hi in kv_spans(h // c, h_kv // c, U)) == whole):
+            return c
+    return 1
+
+
 def _forward(plan: HeadsPlan, q, k, v, *, causal, scale, backend, stats=None, packing=None):
     idx, inv = plan.order(q.shape[1], packing, causal, q.device)
-    spans = kv_spans(q.shape[2], k.shape[2], plan.size)
-    q_h, k_h, v_h = to_heads(plan, [(q, None), (k, spans), (v, spans)], idx, stats, "forward")
+    h, h_kv = q.shape[2], k.shape[2]
+    C = head_chunks(plan, h, h_kv, (q.numel() + k.numel() + v.numel()) * q.element_size())
+    hc, kc = h // C, h_kv // C                          # each chunk: hc q heads reading kc K, V heads
+    spans = kv_spans(hc, kc, plan.size)
 
     def attend(q_h, k_h, v_h):
         if plan.ring is None:                   # all of the sequence here, in token order: one local call
@@ -272,15 +335,27 @@ def _forward(plan: HeadsPlan, q, k, v, *, causal, scale, backend, stats=None, pa
         return _ring.ring_forward(plan.ring, q_h, k_h, v_h, causal=causal, scale=scale, backend=backend,
                                   stats=stats, packing=plan.ring_packing(packing))
 
-    segs = head_segments(q.shape[2], k.shape[2], plan.size, plan.me)
-    o_h, lse = _per_segment(segs, attend, [(q_h, "q"), (k_h, "kv"), (v_h, "kv")], (2, 1))
-    (o,) = to_sequence(plan, [(o_h, None)], inv, stats, "forward")
-    return o, (q_h, k_h, v_h, o_h, lse)
+    # Every chunk's Q, K, V to heads, posted at once: chunk c + 1's travel while chunk c attends
+    ins = [to_heads(plan, [(q[:, :, c * hc:(c + 1) * hc], None), (k[:, :, c * kc:(c + 1) * kc], spans),
+                           (v[:, :, c * kc:(c + 1) * kc], spans)], idx, stats, "forward") for c in range(C)]
+    segs = head_segments(hc, kc, plan.size, plan.me)
+    o, outs, saved = q.new_empty(q.shape), [], []        # contiguous, whatever q's strides
+    for c in range(C):
+        q_h, k_h, v_h = ins[c].wait()
+        o_h, lse = _per_segment(segs, attend, [(q_h, "q"), (k_h, "kv"), (v_h, "kv")], (2, 1))
+        outs.append(to_sequence(plan, [(o_h, None)], inv, stats, "forward", [o[:, :, c * hc:(c + 1) * hc]]))
+        saved += [q_h, k_h, v_h, o_h, lse]
+    for posted in outs:
+        posted.wait()
+    return o, tuple(saved)
 
 
-def _backward(plan: HeadsPlan, do, q_h, k_h, v_h, o_h, lse, *, causal, scale, backend, stats=None, packing=None):
+def _backward(plan: HeadsPlan, do, *saved, causal, scale, backend, stats=None, packing=None):
     idx, inv = plan.order(do.shape[1], packing, causal, do.device)
-    (do_h,) = to_heads(plan, [(do, None)], idx, stats, "backward")
+    C = len(saved) // 5                                 # the forward's head chunks: (q_h, k_h, v_h, o_h, lse) each
+    hc, kc = do.shape[2] // C, plan.h_kv // C
+    spans = kv_spans(hc, kc, plan.size)
+    ins = [to_heads(plan, [(do[:, :, c * hc:(c + 1) * hc], None)], idx, stats, "backward") for c in range(C)]
 
     def grads(do_h, q_h, k_h, v_h, o_h, lse):
         if plan.ring is None:
@@ -290,14 +365,24 @@ def _backward(plan: HeadsPlan, do, q_h, k_h, v_h, o_h, lse, *, causal, scale, ba
         return _ring._backward(plan.ring, do_h, q_h, k_h, v_h, o_h, lse, causal=causal, scale=scale,
                                backend=backend, stats=stats, packing=plan.ring_packing(packing))
 
-    segs = head_segments(do.shape[2], plan.h_kv, plan.size, plan.me)
-    dq, dk, dv = _per_segment(segs, grads, [(do_h, "q"), (q_h, "q"), (k_h, "kv"), (v_h, "kv"), (o_h, "q"),
-                                            (lse, "lse")], (2, 2, 2))
-    # Rounded to the input dtype once, here; dQ of a head comes from one member, dK, dV of a K, V head from
-    # every member that reads it, summed in fp32 at the owner.
-    spans = kv_spans(do.shape[2], plan.h_kv, plan.size)
-    return to_sequence(plan, [(dq.to(do.dtype), None), (dk.to(do.dtype), spans), (dv.to(do.dtype), spans)], inv,
-                       stats, "backward")
+    segs = head_segments(hc, kc, plan.size, plan.me)
+    b, s, _, d = do.shape
+    dq, dk, dv = do.new_empty(do.shape), do.new_empty((b, s, plan.h_kv, d)), do.new_empty((b, s, plan.h_kv, d))
+    outs = []
+    for c in range(C):
+        (do_h,) = ins[c].wait()
+        q_h, k_h, v_h, o_h, lse = saved[5 * c:5 * c + 5]
+        dq_h, dk_h, dv_h = _per_segment(segs, grads, [(do_h, "q"), (q_h, "q"), (k_h, "kv"), (v_h, "kv"),
+                                                      (o_h, "q"), (lse, "lse")], (2, 2, 2))
+        # Rounded to the input dtype once, here; dQ of a head comes from one member, dK, dV of a K, V head from
+        # every member that reads it, summed in fp32 at the owner.
+        q_cut, kv_cut = slice(c * hc, (c + 1) * hc), slice(c * kc, (c + 1) * kc)
+        outs.append(to_sequence(plan, [(dq_h.to(do.dtype), None), (dk_h.to(do.dtype), spans),
+                                       (dv_h.to(do.dtype), spans)], inv, stats, "backward",
+                                [dq[:, :, q_cut], dk[:, :, kv_cut], dv[:, :, kv_cut]]))
+    for posted in outs:
+        posted.wait()
+    return dq, dk, dv
 
 
 def run_heads(plan: HeadsPlan, q, k, v, causal, softmax_scale, backend, comm_stats, packing):

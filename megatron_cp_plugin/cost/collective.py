@@ -120,9 +120,11 @@ def _heads_cost(algo: str, pb: Problem, hw, R: int, U: int, grid, rank: int | No
     # K, V (or dK, dV): the busiest member's, sent or received (K - k_j out and (U - 1) k_j in, or the reverse)
     kv_chunk = pb.batch * s * pb.head_dim * e * 2 * max(max(sum(k) - x, (U - 1) * x) for x in k)
     ta = lambda n: a2a_time(n, U, hw)  # noqa: E731
-    if R == 1:
-        fwd = ta(q_chunk + kv_chunk) + F / hw.fwd_tflops + ta(q_chunk)
-        bwd = ta(q_chunk) + B / hw.bwd_tflops + ta(q_chunk + kv_chunk)
+    if R == 1:                  # ulysses: C head chunks, each chunk's all-to-all in while the one before attends
+        from ..algos.ulysses import chunk_count  # noqa: PLC0415
+        C = chunk_count(pb.heads, pb.kv_heads, U, (n_q + 2 * pb.batch * s * pb.kv_heads * pb.head_dim) * e)
+        fwd = pipelined(C, ta((q_chunk + kv_chunk) / C), F / hw.fwd_tflops / C, ta(q_chunk / C))
+        bwd = pipelined(C, ta(q_chunk / C), B / hw.bwd_tflops / C, ta((q_chunk + kv_chunk) / C))
         return Prediction(algo, fwd, bwd, fwd_bytes, bwd_bytes, F, B, grid)
     # The ring across the groups on the head-sharded tensors, timed as ring.py's (model.ring_family_cost).
     cols = [[i * U + j for i in range(R)] for j in range(U)]
@@ -138,6 +140,21 @@ def _heads_cost(algo: str, pb: Problem, hw, R: int, U: int, grid, rank: int | No
     fwd = ta(q_chunk + kv_chunk) + ring_f + ta(q_chunk)
     bwd = ta(q_chunk) + ring_b + ta(q_chunk + kv_chunk)
     return Prediction(algo, fwd, bwd, fwd_bytes, bwd_bytes, F, B, grid)
+
+
+def pipelined(chunks: int, t_in: float, t_compute: float, t_out: float) -> float:
+    """Seconds of `chunks` (all-to-all in, compute, all-to-all out) stages, every in posted at once and each out
+    as its compute ends, on one communication stream (in order: the ins, then the outs) beside the compute
+    stream (ulysses' head chunks); 1 chunk: the three one after the other."""
+    comm, ins = 0.0, []
+    for _ in range(chunks):
+        comm += t_in
+        ins.append(comm)
+    done = 0.0
+    for arrived in ins:
+        done = max(done, arrived) + t_compute
+        comm = max(comm, done) + t_out
+    return comm
 
 
 def ulysses_cost(algo: str, pb: Problem, hw, rank: int | None = None) -> Prediction:
