@@ -9,7 +9,7 @@
 #   LAYOUT      auto (default): the memory planner's first layout that fits the job's GPUs (either trainer);
 #               config: what the configs say; or a planner layout: zero1, fsdp-optim_grads, fsdp-optim_grads_params,
 #               ppN-zero1 (Megatron-LM), each optionally +recompute. The run starts only if it fits
-#   GPU_MEM     GiB per GPU to plan for (default: what the smallest GPU here gives CUDA, else 80); PLAN_FORCE=1 starts a run the
+#   GPU_MEM     GiB per GPU to plan for (default: what the smallest GPU here gives CUDA, else 79.1); PLAN_FORCE=1 starts a run the
 #               planner says does not fit
 #   DRY_RUN     1: print the plan line and the command and exit (no srun, no torchrun, no patch)
 #   CONFIG      config files, space-separated, later ones override earlier (default configs/tiny.toml)

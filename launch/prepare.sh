@@ -12,13 +12,13 @@ set -euo pipefail
 cd "$REPO"
 if [[ -z ${GPU_MEM:-} ]]; then
   # what the smallest GPU here gives CUDA (devices.gpu_capacity_gib: nvidia-smi's total less the driver's reserved
-  # memory, as megatron-cp-pretrain's own check reads it); where there is none (a dry run on a login node) an 80 GB
-  # GPU, and the line says so
+  # memory, as megatron-cp-pretrain's own check reads it); where there is none (a dry run on a login node) what an
+  # 80 GB GPU gives CUDA (cost/memory.REPORTED_GIB: 79.1), and the line says so
   GPU_MEM=$("$PY" -c "from megatron_cp_plugin.devices import gpu_capacity_gib as c; g = c()
 print('' if g is None else f'{g:.1f}')" 2>/dev/null || true)
   if [[ -z $GPU_MEM ]]; then
-    GPU_MEM=80
-    echo "launch: no GPU visible here: planning for 80 GiB GPUs (set GPU_MEM=<GiB> for others)" >&2
+    GPU_MEM=79.1
+    echo "launch: no GPU visible here: planning for 80 GB GPUs, 79.1 GiB to CUDA (set GPU_MEM=<GiB> for others)" >&2
   fi
 fi
 if [[ ! $GPU_MEM =~ ^[0-9]+([.][0-9]+)?$ ]]; then

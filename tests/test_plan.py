@@ -112,6 +112,16 @@ def test_gpt3_config_comments_name_the_planners_layouts(size):
         assert found.group(1).strip() == plan.recommendation_line(m, mem)
 
 
+def test_recommendations_plan_against_what_cuda_reports_not_the_label():
+    """GPT-3 2.7B at 32k on 2 GPUs: ZeRO-1 needs 75.85 GiB + 4 headroom, which a nominal 80 holds and the 79.1 GiB
+    an 80 GB GPU gives CUDA does not; the config comment's line for 80 GB GPUs plans for the 79.1."""
+    m = plan.model_from_args(parse_args(["--config", str(REPO / "configs/gpt3-2.7b.toml")]))
+    assert plan.reported_gib(80) == 79.1 and plan.reported_gib(141) == 139.8 and plan.reported_gib(96) == 96
+    assert plan.recommend(m, 2, 80) == "zero1"
+    assert plan.recommend(m, 2, plan.reported_gib(80)) == "fsdp-optim_grads"
+    assert "; 2: fsdp-optim_grads; " in plan.recommendation_line(m, 80)
+
+
 # ---------------------------------------------------------- per-algorithm and per-layout terms (cost/memory_terms.py)
 from megatron_cp_plugin.cost import memory_terms as plan_terms  # noqa: E402
 

@@ -13,8 +13,8 @@ import json
 import sys
 
 from ..cost.memory import (  # noqa: F401
-    COUNTS, GiB, Estimate, Layout, Model, PREFERENCE, ZERO_LAYOUTS, estimate, layouts, plan, recommend,
-    recommendation_line, recommendations, static_bytes)
+    COUNTS, GiB, Estimate, Layout, Model, PREFERENCE, REPORTED_GIB, ZERO_LAYOUTS, estimate, layouts, plan, recommend,
+    recommendation_line, recommendations, reported_gib, static_bytes)
 from ..training.memory_check import model_from_args  # noqa: F401  (reads the trainer's flags)
 
 

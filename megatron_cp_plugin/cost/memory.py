@@ -64,6 +64,17 @@ ZERO_LAYOUTS = ("ddp", "zero1", "fsdp-optim", "fsdp-optim_grads", "fsdp-optim_gr
 HEADROOM_GIB = 4.0
 """GiB per GPU a plan keeps free beyond its peak: the CUDA context, NCCL's buffers and allocator slack."""
 
+REPORTED_GIB = {80: 79.1, 141: 139.8}
+"""GiB CUDA reports for a GPU sold as 80 GB and as 141 GB (torch.cuda.mem_get_info's total), what a run has and
+what megatron-cp-pretrain's check plans against: an H200 (141 GB) gave 139.8 here (2026-11-25); 80 GB H100s and
+A100s report 79.10-79.18 GiB in PyTorch's out-of-memory messages (the lowest taken), and ours had 78.0 GiB free
+with a CUDA context up. The configs' comments and docs/training.md's table plan for these, not for the label."""
+
+
+def reported_gib(gpu_class: float) -> float:
+    """The GiB CUDA reports for a GPU sold as `gpu_class` GB (REPORTED_GIB; a class not listed: as given)."""
+    return REPORTED_GIB.get(gpu_class, gpu_class)
+
 
 @dataclass(frozen=True)
 class Model:
@@ -308,9 +319,10 @@ def recommendations(m: Model, gpu_mem_gib: float, counts=(1, 2, 4, 8, 16, 32, 64
 COUNTS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
-def recommendation_line(m: Model, gpu_mem_gib: float, counts=COUNTS) -> str:
-    """"GPUs 4: a; 8: b; 16-128: c", what each GPT-3 config's comment says (tests/test_plan.py checks it)."""
-    recs = recommendations(m, gpu_mem_gib, counts)
+def recommendation_line(m: Model, gpu_class: float, counts=COUNTS) -> str:
+    """"GPUs 4: a; 8: b; 16-128: c", what each GPT-3 config's comment says for GPUs sold as `gpu_class` GB, planned
+    against what CUDA reports for them (`reported_gib`; tests/test_plan.py checks the comments)."""
+    recs = recommendations(m, reported_gib(gpu_class), counts)
     if not recs:
         return f"nothing fits on up to {counts[-1]} GPUs"
     parts = []
