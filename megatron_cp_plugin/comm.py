@@ -347,7 +347,8 @@ class PostedAllToAll:
     def wait(self) -> list:
         if self.posted is not None:
             self.posted.wait()
-        return self.unpack()
+        unpack, self.unpack = self.unpack, None                     # once: the receive buffer goes with it
+        return unpack()
 
 
 def all_to_all_start(group, parts, stats=None, phase="forward", recv=None) -> PostedAllToAll:
@@ -401,8 +402,10 @@ def all_to_all_start(group, parts, stats=None, phase="forward", recv=None) -> Po
     posted = start_collective(dist.all_to_all_single, out, torch.cat(send), split_out, split_in, group=group)
     _count(stats, phase, sum(split_in) - split_in[me])
 
+    n_parts = len(parts)
+
     def unpack():
-        got = [[] for _ in parts]
+        got = [[] for _ in range(n_parts)]
         at = 0
         for c in range(g):
             for i, (dt, s) in enumerate(zip(dtypes, shapes)):

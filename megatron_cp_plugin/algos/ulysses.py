@@ -236,9 +236,10 @@ def to_sequence(plan: HeadsPlan, xs, inv, stats, phase, out) -> _Deferred:
         recv.append([(b, n // U, hi - lo, d) for lo, hi in spans] if how == "uneven" else None)
         hows.append(how)
     posted = all_to_all_start(plan.a2a, send, stats, phase, recv if any(recv) else None)
+    span_list = [spans for _, spans in xs]                          # not xs: the tensors sent may go now
 
     def finish():
-        for r, (_, spans), how, dst in zip(posted.wait(), xs, hows, out):
+        for r, spans, how, dst in zip(posted.wait(), span_list, hows, out):
             if how == "even":                                       # r [U, b, s, hh, d]: member u's heads at u
                 b, s, H, d = dst.shape
                 dst.view(b, s, U, H // U, d).copy_(r.permute(1, 2, 0, 3, 4))
@@ -276,13 +277,16 @@ def _per_segment(segs, fn, args, dims):
 
 
 class _Deferred:
-    """An all-to-all posted (comm.all_to_all_start): `wait()` waits for it and returns what `finish` makes of it."""
+    """An all-to-all posted (comm.all_to_all_start): `wait()`, once, waits for it and returns what `finish` makes of
+    it, and lets go of the buffers `finish` held (the receive buffer dies with the copy made of it, as it did
+    before the chunks: ulysses keeps its chunks' _Deferred objects in lists until the call ends)."""
 
     def __init__(self, finish):
         self.finish = finish
 
     def wait(self):
-        return self.finish()
+        finish, self.finish = self.finish, None
+        return finish()
 
 
 PIPELINE_MIN_BYTES = 32 << 20
