@@ -20,8 +20,10 @@
 #                             MEMORY_ALGOS="ring burst allgather ulysses ulysses-ring attention2d-no attention2d-o"
 #                             MEMORY_BUDGET=3600 BUDGET=3900 OUT=... bash scripts/gpu_trainer_check.sh
 #   plan.log, plan_vs_measured.md   the memory planner's prediction next to measured peak memory for GPT-3 760M
-#                           (ZeRO-1), 2.7B (FSDP ZeRO-3) and 13B (the memory step's ring run), and the activation
-#                           bytes autograd keeps per layer on the GPU against the planner's formula
+#                           (ZeRO-1) and 2.7B (FSDP ZeRO-3) at 32k, and the memory step's ring runs of m13_32k,
+#                           f2.7_32k and f2.7_64k where MEMORY_STEPS has them (issue 35 item 1's FSDP rows:
+#                           MEMORY_STEPS="f2.7_32k f2.7_64k"), and the activation bytes autograd keeps per layer on
+#                           the GPU against the planner's formula
 #   summary.txt             one line per step: exit code and seconds
 # Work files (checkpoints, per-run logs and JSON) stay in a temporary directory; work.tar.gz in $OUT keeps
 # the logs and JSON. Exits non-zero if any step fails or is skipped for time.
@@ -97,14 +99,21 @@ from pathlib import Path
 from megatron_cp_plugin.bench import plan
 from megatron_cp_plugin.training.config import parse_args
 w, out, mem = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
-runs = [("GPT-3 760M, zero1", w / "p760m.json", "gpt3-760m", plan.Layout("zero1")),
-        ("GPT-3 2.7B, fsdp-optim_grads_params", w / "p2.7b.json", "gpt3-2.7b", plan.Layout("fsdp-optim_grads_params")),
-        ("GPT-3 13B, fsdp-optim_grads_params +recompute (ring)", mem / "m13_32k_ring.json", "gpt3-13b",
-         plan.Layout("fsdp-optim_grads_params", recompute=True))]
-lines = ["| run (32k tokens, CP 2) | predicted GiB (weights/grads/opt/act/transient) | measured peak GiB | "
-         "error |", "|---|---|---|---|"]
-for name, f, cfg, lay in runs:
-    m = plan.model_from_args(parse_args(["--config", f"configs/{cfg}.toml", "--seq-length", "32768"]))
+fsdp = plan.Layout("fsdp-optim_grads_params")
+runs = [("GPT-3 760M, zero1", w / "p760m.json", "gpt3-760m", plan.Layout("zero1"), 32768),
+        ("GPT-3 2.7B, fsdp-optim_grads_params", w / "p2.7b.json", "gpt3-2.7b", fsdp, 32768)]
+# the memory step's ring runs of these steps, where MEMORY_STEPS ran them
+for step, name, cfg, lay, seq in (
+        ("m13_32k", "GPT-3 13B, fsdp-optim_grads_params +recompute", "gpt3-13b",
+         plan.Layout("fsdp-optim_grads_params", recompute=True), 32768),
+        ("f2.7_32k", "GPT-3 2.7B, fsdp-optim_grads_params", "gpt3-2.7b", fsdp, 32768),
+        ("f2.7_64k", "GPT-3 2.7B, fsdp-optim_grads_params", "gpt3-2.7b", fsdp, 65536)):
+    if (mem / f"{step}_ring.json").exists():
+        runs.append((f"{name} (ring, memory step)", mem / f"{step}_ring.json", cfg, lay, seq))
+lines = ["| run (CP 2) | tokens | predicted GiB (weights/grads/opt/act/transient) | measured peak GiB | error |",
+         "|---|---|---|---|---|"]
+for name, f, cfg, lay, seq in runs:
+    m = plan.model_from_args(parse_args(["--config", f"configs/{cfg}.toml", "--seq-length", str(seq)]))
     e = plan.estimate(m, lay, 2)
     parts = "/".join(f"{getattr(e, k) / 2**30:.1f}" for k in ("weights", "grads", "optimizer", "activations",
                                                               "transient"))
@@ -113,7 +122,7 @@ for name, f, cfg, lay in runs:
         cell, err = f"{got:.1f}", f"{(e.total / 2**30 - got) / got * 100:+.1f} %"
     except Exception as ex:  # noqa: BLE001 - a failed run: say so in the table
         cell, err = f"n/a ({type(ex).__name__})", ""
-    lines.append(f"| {name} | {e.total / 2**30:.1f} ({parts}) | {cell} | {err} |")
+    lines.append(f"| {name} | {seq} | {e.total / 2**30:.1f} ({parts}) | {cell} | {err} |")
 try:
     p = json.loads((w / "probe.json").read_text())
     m = plan.Model(4, 2048, 16, 16, 8192, 257, 8192, rope_fused=p.get("rope_fusion", False))
