@@ -61,6 +61,9 @@ class Exchange:
     def __init__(self, group, phase: str, stats: CommStats | None = None):
         self.group, self.phase, self.stats = group, phase, stats
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        # the members' global ranks, looked up once: torch's get_global_rank scans the group's rank map at every
+        # call, and a round at P = 64 posts 128 messages (ring.post_round)
+        self._global = dist.get_process_group_ranks(group)
         # gloo's send/recv take host tensors only ("writev: Bad address" on CUDA ones): with CUDA tensors on a
         # gloo group (ranks sharing a GPU, devices.py) each message is staged through host memory.
         self._staged = dist.get_backend(group) == "gloo"
@@ -68,15 +71,15 @@ class Exchange:
         self._landing: list = []
 
     def post(self, sends, recvs) -> None:
-        sends = [(p, [t.contiguous() for t in ts]) for p, ts in sends]
+        sends = [(p, [t if t.is_contiguous() else t.contiguous() for t in ts]) for p, ts in sends]
         wire_sends, wire_recvs = sends, recvs
         if self._staged and any(t.is_cuda for _, ts in sends for t in ts):
             wire_sends = [(p, [t.cpu() for t in ts]) for p, ts in sends]        # synchronous: final when sent
             wire_recvs = [(p, [torch.empty(t.shape, dtype=t.dtype) for t in ts]) for p, ts in recvs]
             self._landing += [(h, d) for (_, hs), (_, ds) in zip(wire_recvs, recvs) for h, d in zip(hs, ds)]
-        glob = lambda p: dist.get_global_rank(self.group, p)  # noqa: E731
-        ops = [dist.P2POp(dist.isend, t, glob(p), self.group) for p, ts in wire_sends for t in ts]
-        ops += [dist.P2POp(dist.irecv, t, glob(p), self.group) for p, ts in wire_recvs for t in ts]
+        glob = self._global
+        ops = [dist.P2POp(dist.isend, t, glob[p], self.group) for p, ts in wire_sends for t in ts]
+        ops += [dist.P2POp(dist.irecv, t, glob[p], self.group) for p, ts in wire_recvs for t in ts]
         if ops:
             self._works += dist.batch_isend_irecv(ops)
         if self.stats is not None:

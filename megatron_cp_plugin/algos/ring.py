@@ -73,7 +73,8 @@ def post_round(ex: Exchange, dists: list[int], mine: list) -> list:
     buffers, one per tensor of mine, row i from the rank dists[i] behind."""
     P, r = ex.world, ex.rank
     bufs = [torch.empty((len(dists),) + tuple(t.shape), dtype=t.dtype, device=t.device) for t in mine]
-    ex.post([((r + d) % P, mine) for d in dists], [((r - d) % P, [b[i] for b in bufs]) for i, d in enumerate(dists)])
+    rows = [b.unbind(0) for b in bufs]                  # one call a tensor, not one view a peer (host time at P = 64)
+    ex.post([((r + d) % P, mine) for d in dists], [((r - d) % P, [x[i] for x in rows]) for i, d in enumerate(dists)])
     return bufs
 
 
@@ -116,9 +117,9 @@ class RoundPartials:
             self.views = False
         if self.views:
             n = grads[0].shape[1] // (sel.stop - sel.start)
-            for u, x in enumerate(range(sel.start, sel.stop)):
-                for j, grad in enumerate(grads):
-                    self.pieces[x][c * self.t + j] = grad[:, u * n:(u + 1) * n]
+            for j, grad in enumerate(grads):
+                for x, piece in zip(range(sel.start, sel.stop), grad.split(n, dim=1)):
+                    self.pieces[x][c * self.t + j] = piece
             return
         if self.part is None:
             self.part = grads[0].new_empty((self.m, self.t) + self.shard, dtype=self.dtype)
@@ -162,8 +163,9 @@ class RoundPartials:
                     row.append(p)
             sends.append(((r - d) % P, row))
         back = torch.empty((self.m, self.t) + self.shard, dtype=self.dtype, device=like.device)
-        recvs = [((r + d) % P, [back[i, j][:, cut] for cut in self.cuts for j in range(self.t)])
-                 for i, d in enumerate(dists)]
+        # row i's pieces, chunk by chunk: one unbind per (chunk, tensor), not two views per peer
+        cols = [back[:, j, :, cut].unbind(0) for cut in self.cuts for j in range(self.t)]
+        recvs = [((r + d) % P, [col[i] for col in cols]) for i, d in enumerate(dists)]
         self._sent = sends
         ex.post(sends, recvs)
         return back

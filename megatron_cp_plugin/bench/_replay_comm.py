@@ -201,6 +201,9 @@ class ReplayDist:
     def get_global_rank(self, group, p):
         return group.ranks[p]
 
+    def get_process_group_ranks(self, group):
+        return list((group or self.WORLD).ranks)
+
     def get_backend(self, group=None):
         return self.backend
 
