@@ -314,3 +314,36 @@ def test_round_partials_make_one_zero_piece_a_round_at_most(monkeypatch):
     rep()
     rounds = len(ring.round_distances(P, ring.round_size(P, S // P)))
     assert 0 < made.count("zeros") <= rounds, made
+
+
+@pytest.mark.parametrize("algo", ["ring", "burst"])
+def test_rounds_make_their_per_peer_views_in_one_call_a_tensor(monkeypatch, algo):
+    """At P = 64 a round meets 16 peers, 4 tensors each: the receive buffers' and partials' per-peer views come from
+    one unbind (or split) a tensor, not one select or slice a peer (2k tokens a rank are host-bound; ring's rounds
+    made 1016 selects and ~430 slices a fwd+bwd before). Counted over a fwd+bwd: the select and slice views made
+    inside algos/ring.py."""
+    import traceback
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from megatron_cp_plugin.algos import ring
+    from megatron_cp_plugin.bench.rank_replay import _shards
+
+    views = []
+
+    class Views(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ in ("select", "slice") and any(
+                    f.filename.endswith("algos/ring.py") for f in traceback.extract_stack(limit=12)):
+                views.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    P, s = 64, 32
+    monkeypatch.setattr(ring, "ROUND_TOKENS", 16 * s)              # rounds of 16 peers, as at 2k tokens a rank
+    rep = RankReplay(algo, P, 40, *_shards(P * s, P, 1, 1, 8, torch.device("cpu"), torch.float32))
+    rep()
+    assert ring.round_size(P, s) == 16
+    with Views():
+        rep()
+    # one view a peer and tensor would be 16 peers x 4 tensors x 4 rounds x 2 (forward, backward) = 512 at least;
+    # what is left is per call (a call's query rows, keys, lse): ~110 here
+    assert len(views) <= 256, (len(views), views.count("select"), views.count("slice"))
