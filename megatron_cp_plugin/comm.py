@@ -353,6 +353,11 @@ class PostedAllToAll:
         unpack, self.unpack = self.unpack, None                     # once: the receive buffer goes with it
         return unpack()
 
+    def then(self, fn) -> PostedAllToAll:
+        """The same collective, whose wait() returns fn(what this one's wait() returns): the caller's own unpacking,
+        after which the receive buffer goes as well."""
+        return PostedAllToAll(None, lambda: fn(self.wait()))
+
 
 def all_to_all_start(group, parts, stats=None, phase="forward", recv=None) -> PostedAllToAll:
     """all_to_all posted: the send buffer is packed and the collective started (on NCCL its own stream), and

@@ -57,7 +57,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..comm import CommStats, all_to_all_start
+from ..comm import CommStats, PostedAllToAll, all_to_all_start
 from ..kernels.local_attn import acc_dtype, block_bwd, block_fwd
 from ..kernels.segments import Segments, to_device
 from ._function import CPAttention
@@ -169,7 +169,7 @@ def _kv_split(spans, size: int):
     return "index", torch.cat([torch.arange(lo, hi) for lo, hi in spans])
 
 
-def to_heads(plan: HeadsPlan, xs, idx, stats, phase) -> _Deferred:
+def to_heads(plan: HeadsPlan, xs, idx, stats, phase) -> PostedAllToAll:
     """[(x [b, s, H, d], K, V spans or None)] -> [x' [b, U s, H', d]]: all tokens of the group and this member's
     heads (None: H / U of them, in member order; spans: kv_spans[me]), rows in the attention's order; one all-to-all
     for all of them, posted: `.wait()` returns the list."""
@@ -188,13 +188,10 @@ def to_heads(plan: HeadsPlan, xs, idx, stats, phase) -> _Deferred:
             H = x.shape[2]
         send.append(x.reshape(b, s, U, H // U, d).permute(2, 0, 1, 3, 4))          # [U, b, s, H / U, d]
         recv.append(None)
-    posted = all_to_all_start(plan.a2a, send, stats, phase, recv if any(recv) else None)
-
-    def finish():
-        # each [U, b, s, hh, d], a view of the receive buffer (stacked where the chunks were unequal)
-        return [_gather_rows((torch.stack(r) if isinstance(r, list) else r).transpose(0, 1), idx)
-                for r in posted.wait()]
-    return _Deferred(finish)
+    # each received part [U, b, s, hh, d], a view of the receive buffer (stacked where the chunks were unequal)
+    return all_to_all_start(plan.a2a, send, stats, phase, recv if any(recv) else None).then(
+        lambda parts: [_gather_rows((torch.stack(r) if isinstance(r, list) else r).transpose(0, 1), idx)
+                       for r in parts])
 
 
 def _gather_rows(rt, idx):
@@ -223,7 +220,7 @@ def _row_runs(idx, s):
     return tuple((int(m[a]), int(r[a]), int(r[a]) + e - a) for a, e in zip(starts, ends)), member, row
 
 
-def to_sequence(plan: HeadsPlan, xs, inv, stats, phase, out) -> _Deferred:
+def to_sequence(plan: HeadsPlan, xs, inv, stats, phase, out) -> PostedAllToAll:
     """The inverse of `to_heads`: [(x' [b, U s, hh, d], spans or None)] -> out [x [b, s, H, d]] (views to write
     into): None, the members' heads side by side (H = U hh); spans, each K, V head's partials from the members that
     read it (kv_spans) summed in fp32 at the owner. Posted: the results are in `out` after `.wait()`."""
@@ -235,11 +232,10 @@ def to_sequence(plan: HeadsPlan, xs, inv, stats, phase, out) -> _Deferred:
         how = _kv_split(spans, U)[0] if spans is not None else "even"
         recv.append([(b, n // U, hi - lo, d) for lo, hi in spans] if how == "uneven" else None)
         hows.append(how)
-    posted = all_to_all_start(plan.a2a, send, stats, phase, recv if any(recv) else None)
     span_list = [spans for _, spans in xs]                          # not xs: the tensors sent may go now
 
-    def finish():
-        for r, spans, how, dst in zip(posted.wait(), span_list, hows, out):
+    def finish(parts):
+        for r, spans, how, dst in zip(parts, span_list, hows, out):
             if how == "even":                                       # r [U, b, s, hh, d]: member u's heads at u
                 b, s, H, d = dst.shape
                 dst.view(b, s, U, H // U, d).copy_(r.permute(1, 2, 0, 3, 4))
@@ -249,7 +245,7 @@ def to_sequence(plan: HeadsPlan, xs, inv, stats, phase, out) -> _Deferred:
                 b, s = r.shape[1], r.shape[2]
                 dst.copy_(_sum_at_owner(r.permute(1, 2, 0, 3, 4).reshape(b, s, -1, r.shape[4]), spans))
         return out
-    return _Deferred(finish)
+    return all_to_all_start(plan.a2a, send, stats, phase, recv if any(recv) else None).then(finish)
 
 
 def _sum_at_owner(dkv, spans):
@@ -274,19 +270,6 @@ def _per_segment(segs, fn, args, dims):
            "lse": lambda x, s: x[:, s[0]:s[1]]}
     outs = [fn(*(cut[w](x, s) for x, w in args)) for s in segs]
     return tuple(torch.cat(parts, d) for parts, d in zip(zip(*outs), dims))
-
-
-class _Deferred:
-    """An all-to-all posted (comm.all_to_all_start): `wait()`, once, waits for it and returns what `finish` makes of
-    it, and lets go of the buffers `finish` held (the receive buffer dies with the copy made of it, as it did
-    before the chunks: ulysses keeps its chunks' _Deferred objects in lists until the call ends)."""
-
-    def __init__(self, finish):
-        self.finish = finish
-
-    def wait(self):
-        finish, self.finish = self.finish, None
-        return finish()
 
 
 PIPELINE_MIN_BYTES = 32 << 20
