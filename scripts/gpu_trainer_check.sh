@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issue 14 on 2 GPUs (H200; 4 where present for the resume checks): megatron-cp-pretrain's trainer. About 7
-# minutes; everything stops by $BUDGET s (default 460). From the repo root:
+# Issue 14 on 2 GPUs (H200; 4 where present for the resume checks): megatron-cp-pretrain's trainer. About 8
+# minutes; everything stops by $BUDGET s (default 520). From the repo root:
 #   OUT=/some/dir bash scripts/gpu_trainer_check.sh
 # Needs megatron-core (the .whl/ wheels on PYTHONPATH) and einops (Megatron-FSDP imports it).
 # Files under $OUT:
@@ -30,7 +30,7 @@
 set -u
 if [ "${1:-}" = "" ]; then
   export OUT=${OUT:-results}
-  BUDGET=${BUDGET:-460}
+  BUDGET=${BUDGET:-520}
   source "$(dirname "$0")/gpu_steps.sh"
   if [ "$GPUS" -lt 2 ]; then echo "needs 2 GPUs, found $GPUS" | tee -a "$OUT/summary.txt"; exit 1; fi
   python3 -c "import megatron.core, einops" > /dev/null 2>&1 || {
@@ -38,9 +38,12 @@ if [ "${1:-}" = "" ]; then
     exit 1; }
   export MCP_WORK=$(mktemp -d /tmp/mcp-trainer-XXXX) MCP_NP=$(( GPUS >= 4 ? 4 : 2 ))
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True CUBLAS_WORKSPACE_CONFIG=:4096:8 PYTHONWARNINGS=ignore
-  step resume 110 bash "$0" resume
+  # resume: 110 s sufficed on 2 x H200; 2 x H100 (2026-11-27) had the FSDP runs at iteration 3 of 6 then
+  # plan: its two runs one after the other on cards under 120 GiB (below)
+  export MCP_GPU_GIB=$(python3 -c "import torch; print(torch.cuda.get_device_properties(0).total_memory >> 30)")
+  step resume 160 bash "$0" resume
   step memory $(( ${MEMORY_BUDGET:-270} + 10 )) bash "$0" memory
-  step plan 70 bash "$0" plan
+  step plan $(( MCP_GPU_GIB >= 120 ? 70 : 120 )) bash "$0" plan
   tar -czf "$OUT/work.tar.gz" -C "$MCP_WORK" --exclude='*_ref' --exclude='*_res' --exclude='*_start' \
     --exclude='*.pt' . 2>/dev/null
   cat "$OUT/resume.md" "$OUT/memory.md" "$OUT/plan_vs_measured.md" 2>/dev/null
@@ -80,14 +83,18 @@ memory)
   exit $rc
   ;;
 plan)
-  pre() {  # name, then flags: 3 iterations of a GPT-3 config on 2 GPUs with --result-json
+  pre() {  # name, then flags: 3 iterations of a GPT-3 config on 2 GPUs with --result-json; the flags in $W/name.flags
     local name=$1; shift
-    python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m megatron_cp_plugin.pretrain --mock-data \
-      --train-iters 3 --seq-length 32768 --context-parallel-algo ring --result-json "$W/$name.json" "$@" \
-      > "$W/$name.log" 2>&1 || { echo "!! $name failed:"; tail -8 "$W/$name.log"; }
+    local flags="--mock-data --train-iters 3 --seq-length 32768 --context-parallel-algo ring $*"
+    echo "$flags" > "$W/$name.flags"
+    python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m megatron_cp_plugin.pretrain $flags \
+      --result-json "$W/$name.json" > "$W/$name.log" 2>&1 || { echo "!! $name failed:"; tail -8 "$W/$name.log"; }
   }
-  # All three at once on the same 2 GPUs (about 35 + 75 + 2 GiB): each process's peak is its own.
+  # Both runs and the probe at once on cards of 120 GiB or more (about 35 + 75 + 2 GiB): each process's peak is
+  # its own. On 80 GB cards the two runs would not fit together (2 x H100, 2026-11-27: the 2.7B one ran out of
+  # memory beside the 760M one), so there one after the other.
   pre p760m --config configs/gpt3-760m.toml &
+  [ "${MCP_GPU_GIB:-141}" -ge 120 ] || wait
   pre p2.7b --config configs/gpt3-2.7b.toml --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params &
   python3 -m tests.plan_probe "$W/probe.json" --num-layers 4 --hidden-size 2048 --num-attention-heads 16 \
     --seq-length 8192 --micro-batch-size 1 --bf16 --context-parallel-algo ring --use-distributed-optimizer \
@@ -96,33 +103,41 @@ plan)
   python3 - "$W" "$OUT/plan_vs_measured.md" "$OUT/memory" <<'EOF'
 import json, sys
 from pathlib import Path
-from megatron_cp_plugin.bench import plan
+from megatron_cp_plugin.bench import launch_plan, plan
 from megatron_cp_plugin.training.config import parse_args
 w, out, mem = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
-fsdp = plan.Layout("fsdp-optim_grads_params")
-runs = [("GPT-3 760M, zero1", w / "p760m.json", "gpt3-760m", plan.Layout("zero1"), 32768),
-        ("GPT-3 2.7B, fsdp-optim_grads_params", w / "p2.7b.json", "gpt3-2.7b", fsdp, 32768)]
-# the memory step's ring runs of these steps, where MEMORY_STEPS ran them
-for step, name, cfg, lay, seq in (
-        ("m13_32k", "GPT-3 13B, fsdp-optim_grads_params +recompute", "gpt3-13b",
-         plan.Layout("fsdp-optim_grads_params", recompute=True), 32768),
-        ("f2.7_32k", "GPT-3 2.7B, fsdp-optim_grads_params", "gpt3-2.7b", fsdp, 32768),
-        ("f2.7_64k", "GPT-3 2.7B, fsdp-optim_grads_params", "gpt3-2.7b", fsdp, 65536)):
+# (name, result JSON, the run's flags): the planner is asked about the flags the run had, its algorithm included
+runs = [("GPT-3 760M, zero1", w / "p760m.json", w / "p760m.flags"),
+        ("GPT-3 2.7B, fsdp-optim_grads_params", w / "p2.7b.json", w / "p2.7b.flags")]
+# the memory step's ring runs of these steps, where MEMORY_STEPS ran them (their flags are in their JSON)
+for step, name in (("m13_32k", "GPT-3 13B, fsdp-optim_grads_params +recompute"),
+                   ("f2.7_32k", "GPT-3 2.7B, fsdp-optim_grads_params"),
+                   ("f2.7_64k", "GPT-3 2.7B, fsdp-optim_grads_params")):
     if (mem / f"{step}_ring.json").exists():
-        runs.append((f"{name} (ring, memory step)", mem / f"{step}_ring.json", cfg, lay, seq))
-lines = ["| run (CP 2) | tokens | predicted GiB (weights/grads/opt/act/transient) | measured peak GiB | error |",
-         "|---|---|---|---|---|"]
-for name, f, cfg, lay, seq in runs:
-    m = plan.model_from_args(parse_args(["--config", f"configs/{cfg}.toml", "--seq-length", str(seq)]))
+        runs.append((f"{name} (ring, memory step)", mem / f"{step}_ring.json", None))
+lines = ["| run (CP 2) | algo | tokens | predicted GiB (weights/grads/opt/act/transient) | measured peak GiB | error |",
+         "|---|---|---|---|---|---|"]
+for name, f, flag_file in runs:
+    try:
+        r = json.loads(f.read_text())
+    except (OSError, ValueError) as ex:                 # the run never wrote its result
+        r = {"status": f"no result ({type(ex).__name__})"}
+    flags = flag_file.read_text().split() if flag_file else r.get("argv", [])
+    if "--result-json" in flags:                        # where the run wrote: nothing the planner reads
+        i = flags.index("--result-json")
+        flags = flags[:i] + flags[i + 2:]
+    a = parse_args(flags)
+    m, lay = plan.model_from_args(a), launch_plan.config_layout(a)
     e = plan.estimate(m, lay, 2)
     parts = "/".join(f"{getattr(e, k) / 2**30:.1f}" for k in ("weights", "grads", "optimizer", "activations",
                                                               "transient"))
-    try:
-        got = json.loads(f.read_text())["peak_mem_gb"]
+    got = r.get("peak_mem_gb")
+    if got:
         cell, err = f"{got:.1f}", f"{(e.total / 2**30 - got) / got * 100:+.1f} %"
-    except Exception as ex:  # noqa: BLE001 - a failed run: say so in the table
-        cell, err = f"n/a ({type(ex).__name__})", ""
-    lines.append(f"| {name} | {seq} | {e.total / 2**30:.1f} ({parts}) | {cell} | {err} |")
+    else:                                               # a failed run: say why in the table
+        cell, err = f"n/a ({str(r.get('error') or r.get('status'))[:60]})", ""
+    lines.append(f"| {name} | {a.context_parallel_algo} | {a.seq_length} | {e.total / 2**30:.1f} ({parts}) | {cell} "
+                 f"| {err} |")
 try:
     p = json.loads((w / "probe.json").read_text())
     m = plan.Model(4, 2048, 16, 16, 8192, 257, 8192, rope_fused=p.get("rope_fusion", False))

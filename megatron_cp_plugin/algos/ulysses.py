@@ -272,11 +272,14 @@ def _per_segment(segs, fn, args, dims):
     return tuple(torch.cat(parts, d) for parts, d in zip(zip(*outs), dims))
 
 
-PIPELINE_MIN_BYTES = 32 << 20
+PIPELINE_MIN_BYTES = 1 << 62
 """Ulysses cuts its heads into chunks (`head_chunks`) only where each chunk's Q, K, V all-to-all still sends at
-least this many bytes per rank: there one all-to-all takes ~0.1 ms on NVLink, far above a launch. Not yet
-timed on a GPU (2026-11-27: written without device time): the profile it answers is GPT-3 2.7B at 64k on
-2 x H200, 128 all-to-alls a step in 119 ms of a 4.56 s step, each waited for before its attention."""
+least this many bytes per rank. Off (out of reach) since it was timed: on 2 x H200 over NVLink on 2026-11-27,
+chunks on (32 MiB, the first value) against off in one run, `bench attention --seq 131072` (16 heads) fwd+bwd
+247 ms on against 240 off (0.541 and 0.525 of one GPU), and GPT-3 2.7B at 64k (`gpu_memory_check.sh`, b2.7_64k)
+4.65 s a step on against 4.57 s (MFU 0.439 and 0.447). There the all-to-all is 1-3% of the attention, and a
+call of a quarter of the heads loses more in the kernel than the overlap hides. Where links are slow the balance
+may turn (not measured): set this (e.g. 32 << 20) in every rank to pipeline; tests force it to 0."""
 MAX_HEAD_CHUNKS = 4
 """At most this many chunks: the first chunk's all-to-all in and the last one's out stay exposed (1 / C of the
 bytes each way), and every chunk is a kernel call of its own."""
