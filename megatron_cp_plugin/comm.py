@@ -239,8 +239,9 @@ class CPGrid:
         # order new_group gives its members, so chunk c of a row gather is column c's (and r of a column's, row r's).
         for members in (self.row_ranks, self.col_ranks):
             assert [glob(p) for p in members] == sorted(glob(p) for p in members)
-        self.row = dist.new_group([glob(p) for p in self.row_ranks], use_local_synchronization=True) if cols > 1 else None
-        self.col = dist.new_group([glob(p) for p in self.col_ranks], use_local_synchronization=True) if rows > 1 else None
+        sub = lambda ranks: dist.new_group([glob(p) for p in ranks], use_local_synchronization=True)  # noqa: E731
+        self.row = sub(self.row_ranks) if cols > 1 else None
+        self.col = sub(self.col_ranks) if rows > 1 else None
 
     def position(self, p: int) -> tuple[int, int]:
         return grid_position(p, self.rows, self.cols, self.row_major)
@@ -359,15 +360,36 @@ class PostedAllToAll:
         return PostedAllToAll(None, lambda: fn(self.wait()))
 
 
-def all_to_all_start(group, parts, stats=None, phase="forward", recv=None) -> PostedAllToAll:
+def send_buffer(g: int, specs, device) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+    """(packed, views): one all_to_all send buffer of g members' bytes for parts of `specs` [(dtype, shape), ...]
+    (shape [g, ...]: member c's chunk at [c]), and a typed view of it per part, for a caller that writes each part
+    in place (e.g. rows taken in another order, without an intermediate tensor) and posts
+    `all_to_all_start(group, views, packed=packed)`. views is None where a part's bytes would not be aligned for its
+    dtype (mixed element sizes): then the caller builds the parts as tensors."""
+    sizes = [torch.Size(shape[1:]).numel() * dt.itemsize for dt, shape in specs]
+    packed = torch.empty((g, sum(sizes)), dtype=torch.uint8, device=device)
+    views, at = [], 0
+    for (dt, shape), n in zip(specs, sizes):
+        v = _typed(packed, at, n, dt, shape)
+        if v is None:
+            return packed, None
+        views.append(v)
+        at += n
+    return packed, views
+
+
+def all_to_all_start(group, parts, stats=None, phase="forward", recv=None, packed=None) -> PostedAllToAll:
     """all_to_all posted: the send buffer is packed and the collective started (on NCCL its own stream), and
-    `wait()` returns the parts as all_to_all does. The caller computes while it travels (ulysses' head chunks)."""
+    `wait()` returns the parts as all_to_all does. The caller computes while it travels (ulysses' head chunks).
+    `packed`: the parts are the views of this buffer that `send_buffer` gave, already written: sent as is."""
     if recv is None and all(isinstance(t, torch.Tensor) for t in parts):
         if group is None:
             return PostedAllToAll(None, lambda: [t.contiguous() for t in parts])
         g = dist.get_world_size(group)
         sizes = [t[0].numel() * t.element_size() for t in parts]
-        if len(parts) == 1 and parts[0].is_contiguous():
+        if packed is not None:
+            flat = packed
+        elif len(parts) == 1 and parts[0].is_contiguous():
             flat = parts[0].view(g, -1).view(torch.uint8)                        # no copy: the bytes as they are
         elif all(t.is_contiguous() for t in parts):
             flat = torch.cat([t.view(g, -1).view(torch.uint8) for t in parts], dim=1)   # bytes side by side

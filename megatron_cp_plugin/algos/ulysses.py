@@ -57,7 +57,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..comm import CommStats, PostedAllToAll, all_to_all_start
+from ..comm import CommStats, PostedAllToAll, all_to_all_start, send_buffer
 from ..kernels.local_attn import acc_dtype, block_bwd, block_fwd
 from ..kernels.segments import Segments, to_device
 from ._function import CPAttention
@@ -220,18 +220,26 @@ def _row_runs(idx, s):
     return tuple((int(m[a]), int(r[a]), int(r[a]) + e - a) for a, e in zip(starts, ends)), member, row
 
 
-def to_sequence(plan: HeadsPlan, xs, inv, stats, phase, out) -> PostedAllToAll:
+def to_sequence(plan: HeadsPlan, xs, order, stats, phase, out) -> PostedAllToAll:
     """The inverse of `to_heads`: [(x' [b, U s, hh, d], spans or None)] -> out [x [b, s, H, d]] (views to write
     into): None, the members' heads side by side (H = U hh); spans, each K, V head's partials from the members that
-    read it (kv_spans) summed in fp32 at the owner. Posted: the results are in `out` after `.wait()`."""
-    U = plan.size
-    send, recv, hows = [], [], []
-    for x, spans in xs:
-        b, n, hh, d = x.shape
-        send.append(x.index_select(1, inv).view(b, U, n // U, hh, d).transpose(0, 1))
-        how = _kv_split(spans, U)[0] if spans is not None else "even"
-        recv.append([(b, n // U, hi - lo, d) for lo, hi in spans] if how == "uneven" else None)
-        hows.append(how)
+    read it (kv_spans) summed in fp32 at the owner. `order`: `HeadsPlan.order`'s (idx, inv). Posted: the results
+    are in `out` after `.wait()`."""
+    U, (idx, inv) = plan.size, order
+    hows = [_kv_split(spans, U)[0] if spans is not None else "even" for _, spans in xs]
+    recv = [[(x.shape[0], x.shape[1] // U, hi - lo, x.shape[3]) for lo, hi in spans] if how == "uneven" else None
+            for (x, spans), how in zip(xs, hows)]
+    packed, send = None, None
+    if "uneven" not in hows:
+        # Each x's rows go back to their members' shards straight into the send buffer (`_scatter_rows`): one
+        # streaming copy a tensor where an index_select and the packing were two, the first an index kernel.
+        packed, send = send_buffer(U, [(x.dtype, (U, x.shape[0], x.shape[1] // U) + x.shape[2:]) for x, _ in xs],
+                                   xs[0][0].device)
+        for (x, _), dst in zip(xs, send or ()):
+            _scatter_rows(x, dst, idx)
+    if send is None:
+        packed, send = None, [x.index_select(1, inv).view(x.shape[0], U, x.shape[1] // U, *x.shape[2:])
+                              .transpose(0, 1) for x, _ in xs]
     span_list = [spans for _, spans in xs]                          # not xs: the tensors sent may go now
 
     def finish(parts):
@@ -245,7 +253,21 @@ def to_sequence(plan: HeadsPlan, xs, inv, stats, phase, out) -> PostedAllToAll:
                 b, s = r.shape[1], r.shape[2]
                 dst.copy_(_sum_at_owner(r.permute(1, 2, 0, 3, 4).reshape(b, s, -1, r.shape[4]), spans))
         return out
-    return all_to_all_start(plan.a2a, send, stats, phase, recv if any(recv) else None).then(finish)
+    return all_to_all_start(plan.a2a, send, stats, phase, recv if any(recv) else None, packed=packed).then(finish)
+
+
+def _scatter_rows(x, dst, idx):
+    """x [b, U s, hh, d] in the attention's order -> dst [U, b, s, hh, d] (a view of the send buffer): dst's row
+    (u, r) = x's row i where idx[i] = u s + r, the inverse of `_gather_rows`. Zigzag shards: 2 U - 1 runs copied as
+    slices; packed documents' many runs: one index_put."""
+    runs, member, row = _row_runs(idx, dst.shape[2])
+    if runs is None:
+        dst.transpose(0, 1)[:, member, row] = x
+        return
+    at = 0
+    for u, a, e in runs:
+        dst[u, :, a:e].copy_(x[:, at:at + e - a])
+        at += e - a
 
 
 def _sum_at_owner(dkv, spans):
@@ -333,7 +355,8 @@ def _forward(plan: HeadsPlan, q, k, v, *, causal, scale, backend, stats=None, pa
     for c in range(C):
         q_h, k_h, v_h = ins[c].wait()
         o_h, lse = _per_segment(segs, attend, [(q_h, "q"), (k_h, "kv"), (v_h, "kv")], (2, 1))
-        outs.append(to_sequence(plan, [(o_h, None)], inv, stats, "forward", [o[:, :, c * hc:(c + 1) * hc]]))
+        outs.append(to_sequence(plan, [(o_h, None)], (idx, inv), stats, "forward",
+                                [o[:, :, c * hc:(c + 1) * hc]]))
         saved += [q_h, k_h, v_h, o_h, lse]
     for posted in outs:
         posted.wait()
@@ -368,7 +391,7 @@ def _backward(plan: HeadsPlan, do, *saved, causal, scale, backend, stats=None, p
         # every member that reads it, summed in fp32 at the owner.
         q_cut, kv_cut = slice(c * hc, (c + 1) * hc), slice(c * kc, (c + 1) * kc)
         outs.append(to_sequence(plan, [(dq_h.to(do.dtype), None), (dk_h.to(do.dtype), spans),
-                                       (dv_h.to(do.dtype), spans)], inv, stats, "backward",
+                                       (dv_h.to(do.dtype), spans)], (idx, inv), stats, "backward",
                                 [dq[:, :, q_cut], dk[:, :, kv_cut], dv[:, :, kv_cut]]))
     for posted in outs:
         posted.wait()
