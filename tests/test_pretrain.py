@@ -396,22 +396,44 @@ def test_profile_step_writes_each_ranks_table(tmp_path):
 
 
 def test_overlapped_gradient_reduction_trains_as_the_reduction_after_the_backward(tmp_path):
-    """--overlap-grad-reduce (Megatron-LM's flag): Megatron's DDP reduces each bucket as the last micro-batch's
-    backward fills it, the earlier micro-batches under no_sync. Buckets of 5000 parameters (--ddp-bucket-size: many
-    of them), 4 micro-batches a step over CP = 2: the same sums, so the same losses as one reduction after. With
-    the distributed optimizer (reduce-scatter), the layout the GPT-3 runs use; plain DDP (all-reduce) is the same
-    code in megatron-core (one run pair, to keep the CPU suite's time)."""
+    """--overlap-grad-reduce and --overlap-param-gather (Megatron-LM's flags): Megatron's DDP reduces each bucket as
+    the last micro-batch's backward fills it, the earlier micro-batches under no_sync, and the distributed
+    optimizer's updated parameters are gathered bucket by bucket in the next forward. Buckets of 5000 parameters
+    (--ddp-bucket-size: many of them), 4 micro-batches a step over CP = 2: the same sums, so the same losses as one
+    reduction after and one gather at the step's end. The save after the last step comes before any next forward:
+    it must gather the parameters first (the checkpoint's weights are those of the run without the overlaps; an
+    evaluation's forward would gather them through the pre-hooks anyway). With the distributed optimizer (reduce-scatter), the layout the GPT-3
+    runs use; plain DDP (all-reduce) is the same code in megatron-core (one run pair, to keep the CPU suite's
+    time)."""
+    from .ckpt_compare import read_checkpoint
+
     flags = ["--train-iters", "3", "--context-parallel-algo", "ring", "--micro-batch-size", "1",
              "--global-batch-size", "4", "--use-distributed-optimizer"]
-    out, buckets = [], []
-    for extra in ([], ["--overlap-grad-reduce", "--ddp-bucket-size", "5000"]):
-        log, res = tmp_path / f"log{len(extra)}.jsonl", tmp_path / f"res{len(extra)}.json"
-        _pretrain(*flags, *extra, "--log-json", str(log), "--result-json", str(res), nproc=2)
+    out, buckets, weights = [], [], []
+    for extra in ([], ["--overlap-grad-reduce", "--ddp-bucket-size", "5000", "--overlap-param-gather"]):
+        log, res, ckpt = (tmp_path / f"{x}{len(extra)}" for x in ("log.jsonl", "res.json", "ckpt"))
+        _pretrain(*flags, *extra, "--log-json", str(log), "--result-json", str(res), "--save", str(ckpt), nproc=2)
         out.append(_losses(log))
-        r = json.loads(res.read_text())
-        buckets.append((r["overlap_grad_reduce"], r["grad_buckets"]))
-    assert buckets[0] == (False, 1) and buckets[1][0] and buckets[1][1] > 4, buckets    # one bucket, then many
+        got = json.loads(res.read_text())
+        buckets.append((got["overlap_grad_reduce"], got["overlap_param_gather"], got["grad_buckets"]))
+        weights.append({k: v for k, v in read_checkpoint(ckpt / "iter_0000003", tmp_path).items()
+                        if k.startswith("model") and isinstance(v, torch.Tensor)})
+    assert buckets[0] == (False, False, 1) and buckets[1][:2] == (True, True) and buckets[1][2] > 4, buckets
     assert len(out[0]) == 3 and out[0] == pytest.approx(out[1], rel=1e-6, abs=1e-6), out
+    assert weights[0] and weights[0].keys() == weights[1].keys()
+    off = [k for k in weights[0] if not torch.allclose(weights[0][k].float(), weights[1][k].float(), rtol=1e-5,
+                                                        atol=1e-6)]
+    assert not off, off[:5]
+
+
+def test_overlapped_parameter_gather_is_refused_without_what_megatron_lm_requires():
+    """--overlap-param-gather needs sharded parameters (--use-distributed-optimizer or Megatron-FSDP) and, with the
+    distributed optimizer, --overlap-grad-reduce, as Megatron-LM asks: one line, before any rank starts."""
+    r = _pretrain("--overlap-param-gather", check=False)
+    assert r.returncode != 0 and "--overlap-param-gather: needs --use-distributed-optimizer" in r.stdout + r.stderr
+    r = _pretrain("--overlap-param-gather", "--use-distributed-optimizer", check=False)
+    assert r.returncode != 0 and "--overlap-param-gather: needs --overlap-grad-reduce" in r.stdout + r.stderr
+    assert "Traceback" not in r.stdout + r.stderr
 
 
 def test_a_bucket_size_below_one_is_refused_before_any_rank_starts():

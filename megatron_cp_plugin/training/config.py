@@ -50,6 +50,11 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
            "during the backward of the last micro-batch, as it fills, instead of all after it (Megatron-FSDP's "
            "optim_grads and optim_grads_params always do; with optim it stays off: megatron-core 0.16.1 trains "
            "wrong with it there)")
+    a("--overlap-param-gather", action="store_true",
+      help="as Megatron-LM (with --use-distributed-optimizer and --overlap-grad-reduce): the parameters the "
+           "optimizer step updated are all-gathered bucket by bucket during the next forward, each bucket's "
+           "gather started as the one before is used, instead of all at the end of the step; a save or an "
+           "evaluation gathers them first (Megatron-FSDP's optim_grads_params always gathers per layer)")
     a("--ddp-bucket-size", type=int, default=None,
       help="as Megatron-LM: parameters per gradient bucket of Megatron's DDP with --overlap-grad-reduce (default "
            "megatron-core's: max(40M, 1M x data-parallel size))")
@@ -235,6 +240,12 @@ def launch_errors(args) -> list[str]:
         value = getattr(args, flag, None)
         if value is not None and value < 1:
             errors.append(f"--{flag.replace('_', '-')} {value}: must be at least 1")
+    if getattr(args, "overlap_param_gather", False):          # Megatron-LM's own conditions for the flag
+        if not (args.use_distributed_optimizer or args.use_megatron_fsdp):
+            errors.append("--overlap-param-gather: needs --use-distributed-optimizer (or --use-megatron-fsdp): "
+                          "only sharded parameters are gathered")
+        elif args.use_distributed_optimizer and not args.use_megatron_fsdp and not args.overlap_grad_reduce:
+            errors.append("--overlap-param-gather: needs --overlap-grad-reduce too (as in Megatron-LM)")
     if args.data_path and args.mock_data:
         errors.append("--mock-data and --data-path exclude each other: give one (random tokens, or the "
                       ".bin/.idx files)")

@@ -67,6 +67,7 @@ def train(args) -> list[float]:
         # Megatron's DDP: gradient buckets, reduced during the backward with --overlap-grad-reduce
         result["grad_buckets"] = len(getattr(trainer.model, "bucket_groups", ())) or None
         result["overlap_grad_reduce"] = trainer.overlap_grad_reduce
+        result["overlap_param_gather"] = trainer.overlap_param_gather
     t0 = time.perf_counter()
     while trainer.iteration < args.train_iters:
         t_step = time.perf_counter()

@@ -90,6 +90,9 @@ class Trainer:
         # parameters reduced as the last micro-batch's backward fills them; the earlier micro-batches run under
         # no_sync (train_step)
         self.overlap_grad_reduce = bool(getattr(args, "overlap_grad_reduce", False)) and not self.fsdp
+        # --overlap-param-gather (distributed optimizer): the step's updated parameters are gathered bucket by
+        # bucket in the next forward's pre-hooks (megatron-core's DDP); `params_in_sync` around saves and evaluations
+        self.overlap_param_gather = bool(getattr(args, "overlap_param_gather", False)) and not self.fsdp
         self.tokenizer = ByteTokenizer(args.vocab_size)
         self.cp_group = ps.get_context_parallel_group()
         self.dp_cp_group = ps.get_data_parallel_group(with_context_parallel=True)
@@ -153,7 +156,7 @@ class Trainer:
             # the optimizer state sharded) 0.16.1 trains wrong with either overlap: both stay off there.
             overlap_grad_reduce=self.fsdp in ("optim_grads", "optim_grads_params") or self.overlap_grad_reduce,
             bucket_size=None if self.fsdp else getattr(self.args, "ddp_bucket_size", None),
-            overlap_param_gather=self.fsdp == "optim_grads_params",
+            overlap_param_gather=self.fsdp == "optim_grads_params" or self.overlap_param_gather,
             # fp32 main gradients under Megatron-FSDP on every megatron-core version (megatron/compat.py)
             **(fsdp_grad_dtype_kwargs(DistributedDataParallelConfig, True) if self.fsdp else {}))
         if not self.fsdp:
@@ -202,14 +205,30 @@ class Trainer:
         return total
 
     @torch.no_grad()
+    @contextlib.contextmanager
+    def params_in_sync(self):
+        """With --overlap-param-gather the parameters the last step updated arrive during the next forward, bucket
+        by bucket: gather them all now (megatron-core's `disable_forward_pre_hook`, as Megatron-LM does around its
+        saves and evaluations) and re-arm the pre-hooks after. Without it, nothing to do."""
+        if not self.overlap_param_gather:
+            yield
+            return
+        self.model.disable_forward_pre_hook(param_sync=True)
+        try:
+            yield
+        finally:
+            self.model.enable_forward_pre_hook()
+
     def evaluate(self) -> float:
-        losses = [self._loss(b)[1].item() for it in range(self.args.eval_iters)
-                  for b in micro_batches(self.valid_data, self.args, it, self.dp_rank)]
+        with self.params_in_sync():
+            losses = [self._loss(b)[1].item() for it in range(self.args.eval_iters)
+                      for b in micro_batches(self.valid_data, self.args, it, self.dp_rank)]
         return sum(losses) / len(losses)
 
     def save(self) -> str:
         from .checkpoint import save_checkpoint
-        return save_checkpoint(self)
+        with self.params_in_sync():
+            return save_checkpoint(self)
 
     def load(self) -> None:
         from .checkpoint import load_checkpoint
