@@ -146,7 +146,7 @@ def _algo(m, algo, grid=None):
     # largest of reduce max(8PK = 4096, 3584) and the call 2(Q + 3K) + ws + 3K = 2688
     ("allgather", (1, 1), 2 * 4 * 128 + 2 * 512 + 256 + 3 * 128, 2 * 4 * 128 + 2 * 4 * 256 + 512 + 4096),
     # one K, V head per member (k_U = 1): Kh = 8*4*1*4*2 = 256, heads = Q + 2Kh = 768
-    ("ulysses", (1, 4), 768 + 4 * 768 - 256, 6 * 768 + 2 * 256),                                   # 3584, 5120
+    ("ulysses", (1, 4), 768 + 4 * 768 - 256, 5 * 768 + 2 * 256),                                   # 3584, 4352
     # R = C = 2: n = 2 chunks per kernel call (t = 8), gq = 2Q = 512, gkv = 2RK = 512; forward 2K + gq + gkv +
     # C(Qa + L) + max(n(2Q + Qa) = 2048, AttnFix 2C(Qa + L) = 2560); backward's largest: the call, n(Q + blk + G)
     ("attention2d-no", (2, 2), 256 + 512 + 512 + 2 * 640 + 2 * 2 * 640,
