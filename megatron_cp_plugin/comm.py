@@ -423,13 +423,16 @@ def all_to_all_start(group, parts, stats=None, phase="forward", recv=None, packe
     g, me = dist.get_world_size(group), dist.get_rank(group)
     dtypes = [p[0].dtype for p in parts]
     shapes = [[tuple(p[0].shape)] * g if r is None else [tuple(x) for x in r] for p, r in zip(parts, recv)]
-    raw = lambda t: t.contiguous().view(-1).view(torch.uint8)  # noqa: E731
-    send = [torch.cat([raw(p[c]) for p in parts]) for c in range(g)]             # member c's bytes, part by part
+    if packed is not None:                          # member c's bytes, part by part, are row c: sent as they are
+        send, split_in = packed.view(-1), [packed.shape[1]] * g
+    else:
+        raw = lambda t: t.contiguous().view(-1).view(torch.uint8)  # noqa: E731
+        chunks = [torch.cat([raw(p[c]) for p in parts]) for c in range(g)]     # member c's bytes, part by part
+        send, split_in = torch.cat(chunks), [x.numel() for x in chunks]
     nbytes = [[torch.Size(s[c]).numel() * dt.itemsize for c in range(g)] for s, dt in zip(shapes, dtypes)]
-    split_in = [x.numel() for x in send]
     split_out = [sum(n[c] for n in nbytes) for c in range(g)]
-    out = torch.empty(sum(split_out), dtype=torch.uint8, device=send[0].device)
-    posted = start_collective(dist.all_to_all_single, out, torch.cat(send), split_out, split_in, group=group)
+    out = torch.empty(sum(split_out), dtype=torch.uint8, device=send.device)
+    posted = start_collective(dist.all_to_all_single, out, send, split_out, split_in, group=group)
     _count(stats, phase, sum(split_in) - split_in[me])
 
     n_parts = len(parts)

@@ -229,15 +229,13 @@ def to_sequence(plan: HeadsPlan, xs, order, stats, phase, out) -> PostedAllToAll
     hows = [_kv_split(spans, U)[0] if spans is not None else "even" for _, spans in xs]
     recv = [[(x.shape[0], x.shape[1] // U, hi - lo, x.shape[3]) for lo, hi in spans] if how == "uneven" else None
             for (x, spans), how in zip(xs, hows)]
-    packed, send = None, None
-    if "uneven" not in hows:
-        # Each x's rows go back to their members' shards straight into the send buffer (`_scatter_rows`): one
-        # streaming copy a tensor where an index_select and the packing were two, the first an index kernel.
-        packed, send = send_buffer(U, [(x.dtype, (U, x.shape[0], x.shape[1] // U) + x.shape[2:]) for x, _ in xs],
-                                   xs[0][0].device)
-        for (x, _), dst in zip(xs, send or ()):
-            _scatter_rows(x, dst, idx)
-    if send is None:
+    # Each x's rows go back to their members' shards straight into the send buffer (`_scatter_rows`): one
+    # streaming copy a tensor where an index_select and the packing were two, the first an index kernel.
+    packed, send = send_buffer(U, [(x.dtype, (U, x.shape[0], x.shape[1] // U) + x.shape[2:]) for x, _ in xs],
+                               xs[0][0].device)
+    for (x, _), dst in zip(xs, send or ()):
+        _scatter_rows(x, dst, idx)
+    if send is None:                                                # mixed element sizes: parts built apart
         packed, send = None, [x.index_select(1, inv).view(x.shape[0], U, x.shape[1] // U, *x.shape[2:])
                               .transpose(0, 1) for x, _ in xs]
     span_list = [spans for _, spans in xs]                          # not xs: the tensors sent may go now

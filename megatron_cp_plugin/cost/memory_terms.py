@@ -170,11 +170,11 @@ def allgather(sh: Shape) -> Terms:
                  2 * P * K + 2 * P * Ka + sh.Qa + max(sh.blk, reduce, 2 * Ka + sh.G))
 
 
-def kv_heads_read(heads: int, groups: int, size: int, fewest: bool = False) -> int:
-    """The most (fewest: the fewest) K, V heads one member of an all-to-all over `size` ranks reads
-    (ulysses.kv_spans: q heads u h/size .. (u + 1) h/size - 1 read K, V heads i // (h / h_kv))."""
+def kv_heads_read(heads: int, groups: int, size: int) -> int:
+    """The most K, V heads one member of an all-to-all over `size` ranks reads (ulysses.kv_spans: q heads
+    u h/size .. (u + 1) h/size - 1 read K, V heads i // (h / h_kv))."""
     hu, grp = max(heads // size, 1), max(heads // groups, 1)
-    return (min if fewest else max)(((u + 1) * hu - 1) // grp + 1 - u * hu // grp for u in range(size))
+    return max(((u + 1) * hu - 1) // grp + 1 - u * hu // grp for u in range(size))
 
 
 def ulysses(sh: Shape) -> Terms:
@@ -185,11 +185,9 @@ def ulysses(sh: Shape) -> Terms:
     ring's forward on the head shards (R > 1) or the output's (6Q). backward: the largest of the output
     all-to-all (5Q), the local backward (Q + heads + ws, plus ring's backward on the head shards for R > 1) and
     the gradients' all-to-all (5 x heads + 2Ka: their rows written straight into the send buffer,
-    `ulysses._scatter_rows`; 6 x heads where members read different numbers of K, V heads, whose sends are
-    reordered and packed in two copies)."""
+    `ulysses._scatter_rows`)."""
     R, U = sh.grid
     k_u = kv_heads_read(sh.heads, sh.groups, U)
-    uneven = k_u != kv_heads_read(sh.heads, sh.groups, U, fewest=True)
     Kh = sh.tokens * U * k_u * sh.head_dim * sh.elem
     Kha = Kh // sh.elem * 4
     heads = sh.Q + 2 * Kh
@@ -197,7 +195,7 @@ def ulysses(sh: Shape) -> Terms:
     ring_b = sh.Qa + 4 * Kh + 6 * Kha + heads if R > 1 else 0
     saved = (2 * U * k_u - 3 * sh.groups) * sh.head_dim * sh.elem * sh.tokens
     return Terms(saved, heads + max(4 * heads, ring_f, 6 * sh.Q) - sh.Q,
-                 max(5 * sh.Q, sh.Q + heads + sh.ws + ring_b, (6 if uneven else 5) * heads + 2 * sh.Ka))
+                 max(5 * sh.Q, sh.Q + heads + sh.ws + ring_b, 5 * heads + 2 * sh.Ka))
 
 
 def attention2d_no(sh: Shape) -> Terms:
