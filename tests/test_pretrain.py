@@ -261,6 +261,13 @@ def test_make_vocab_size_divisible_by_is_checked_at_start_up():
     assert r.returncode == 2 and "--make-vocab-size-divisible-by 0: must be at least 1" in r.stderr, r.stderr
 
 
+def test_a_vocabulary_smaller_than_the_byte_tokenizers_is_refused_at_start_up():
+    """--vocab-size below 257: one line from the launching process (it was a ValueError traceback in every rank)."""
+    r = _pretrain("--vocab-size", "128", "--train-iters", "2", nproc=2, timeout=120, check=False)
+    out = r.stdout + r.stderr
+    assert r.returncode == 2 and "--vocab-size 128: must be at least 257" in r.stderr and "Traceback" not in out, out
+
+
 def _children(pid):
     kids = []
     for p in os.listdir("/proc"):

@@ -10,6 +10,7 @@ import torch
 
 from ..algos.registry import DEFAULT_ALGO
 from ..megatron.args import add_cp_args, config_from_args
+from ..megatron.tokenizer import BYTE_VOCAB_SIZE
 
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 """Megatron-LM's --data-parallel-sharding-strategy values: nothing, optimizer state (ZeRO-1), + gradients
@@ -240,6 +241,9 @@ def launch_errors(args) -> list[str]:
         value = getattr(args, flag, None)
         if value is not None and value < 1:
             errors.append(f"--{flag.replace('_', '-')} {value}: must be at least 1")
+    if args.vocab_size is not None and args.vocab_size < BYTE_VOCAB_SIZE:     # the byte tokenizer's ids
+        errors.append(f"--vocab-size {args.vocab_size}: must be at least {BYTE_VOCAB_SIZE} (256 bytes and the "
+                      "end-of-document token)")
     if getattr(args, "overlap_param_gather", False):          # Megatron-LM's own conditions for the flag
         if not (args.use_distributed_optimizer or args.use_megatron_fsdp):
             errors.append("--overlap-param-gather: needs --use-distributed-optimizer (or --use-megatron-fsdp): "
