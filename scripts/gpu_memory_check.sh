@@ -13,7 +13,8 @@
 #   STEPS="b2.7_64k m13_32k" ALGOS="ring allgather attention2d-o" OUT=/some/dir bash scripts/gpu_memory_check.sh
 # EXTRA: megatron-cp-pretrain flags added to every step (e.g. EXTRA=--overlap-grad-reduce).
 # Files under $OUT: <step>.log, <step>.md (the bench table), memory.md (every step's rows, plan vs peak),
-# summary.txt. Exits non-zero if a step fails or is skipped for time.
+# summary.txt. Exits non-zero if a step fails or is skipped for time. With 4 GPUs two steps run at once, each on its
+# own pair (LANES, below).
 set -u
 export OUT=${OUT:-results}
 BUDGET=${BUDGET:-560}
@@ -43,20 +44,43 @@ planned() {  # the step's flags with PLANNED replaced by the planner's layout fl
     $base 2>> "$OUT/summary.txt" | tail -n +2 | tr '\n' ' '
 }
 ORDER="m760_32k b2.7_32k f2.7_32k m13_32k b2.7_64k m760_64k f2.7_64k m13_64k"
-: > "$OUT/memory.md"
-for s in ${STEPS:-$ORDER}; do
-  [ -n "${RUN[$s]:-}" ] || { echo "$s: unknown step (one of $ORDER)" | tee -a "$OUT/summary.txt"; status=1; continue; }
+run_step() {  # one step on the GPU pair this lane sees; its table rows to $OUT/<step>.rows
+  local s=$1 flags
+  [ -n "${RUN[$s]:-}" ] || { echo "$s: unknown step (one of $ORDER)" | tee -a "$OUT/summary.txt"; status=1; return; }
   flags=${RUN[$s]}
   if [[ $flags == *PLANNED* ]]; then
     flags=$(planned "$flags")
     [ -n "$flags" ] || { echo "$s: the planner fits no layout on ${CAP} GiB GPUs" | tee -a "$OUT/summary.txt"; status=1
-                         continue; }
+                         return; }
   fi
   # shellcheck disable=SC2086
   step "$s" "${STEP_S:-300}" python3 -m megatron_cp_plugin.bench model --nproc 2 --no-cp1 --force --train-iters 3 \
     ${ALGOS:+--algos $ALGOS} --out "$OUT/$s" $flags ${EXTRA:-}
-  { echo "## $s: $flags"; grep -E "^\| (run|---|ring|burst|attention2d|allgather|ulysses)" "$OUT/$s.md"; echo; } \
-    >> "$OUT/memory.md" 2>/dev/null
-done
+  { echo "## $s: $flags${CUDA_VISIBLE_DEVICES:+ (GPUs $CUDA_VISIBLE_DEVICES)}"
+    grep -E "^\| (run|---|ring|burst|attention2d|allgather|ulysses)" "$OUT/$s.md"; echo; } > "$OUT/$s.rows" 2>/dev/null
+}
+# Lanes: with 4 or more GPUs, LANES (default GPUs / 2) pairs of GPUs each take the next step not yet taken (a
+# mkdir claims it), so two steps run at once on 4 GPUs: the full sweep (about 45 minutes on 2 x H200) in about
+# half. Each run's memory is its own GPUs'; the step times of runs sharing a host may be a little slower (LANES=1
+# for timings).
+lanes=${LANES:-$(( GPUS / 2 ))}
+visible=(${CUDA_VISIBLE_DEVICES:-})
+visible=(${visible[@]//,/ })
+[ ${#visible[@]} -ge "$GPUS" ] || visible=($(seq 0 $((GPUS - 1))))
+lane() {
+  local i=$1
+  [ "$lanes" -gt 1 ] && export CUDA_VISIBLE_DEVICES=${visible[$((2 * i))]},${visible[$((2 * i + 1))]}
+  for s in ${STEPS:-$ORDER}; do
+    mkdir "$OUT/.claimed_$s" 2>/dev/null && run_step "$s"
+  done
+  echo "$status" > "$OUT/.lane_$i"
+}
+rm -rf "$OUT"/.claimed_* "$OUT"/.lane_*
+for ((i = 0; i < lanes; i++)); do lane "$i" & done
+wait
+for ((i = 0; i < lanes; i++)); do [ "$(cat "$OUT/.lane_$i" 2>/dev/null)" = 0 ] || status=1; done
+: > "$OUT/memory.md"
+for s in ${STEPS:-$ORDER}; do cat "$OUT/$s.rows" >> "$OUT/memory.md" 2>/dev/null; done
+rm -rf "$OUT"/.claimed_* "$OUT"/.lane_*
 cat "$OUT/memory.md"
 exit $status

@@ -15,7 +15,8 @@
 #                           attention2d-o), 3 iterations: step time, tokens/s, TFLOP/s, MFU, and the planner's
 #                           peak against the measured one (megatron-cp-bench model), within MEMORY_BUDGET s
 #                           (default 270). Items 1 and 3 in full (every GPT-3 run of issue 35 at 32k and 64k,
-#                           every algorithm; about 45 minutes on 2 x H200):
+#                           every algorithm; about 45 minutes on 2 x H200, about half on 4 GPUs, where two steps
+#                           run at once, each on its own pair: gpu_memory_check.sh's LANES):
 #                             MEMORY_STEPS="m760_32k b2.7_32k f2.7_32k m13_32k b2.7_64k m760_64k f2.7_64k m13_64k"
 #                             MEMORY_ALGOS="ring burst allgather ulysses ulysses-ring attention2d-no attention2d-o"
 #                             MEMORY_BUDGET=3600 BUDGET=3900 OUT=... bash scripts/gpu_trainer_check.sh
