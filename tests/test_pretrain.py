@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -407,26 +408,30 @@ def test_overlapped_gradient_reduction_trains_as_the_reduction_after_the_backwar
     the last micro-batch's backward fills it, the earlier micro-batches under no_sync, and the distributed
     optimizer's updated parameters are gathered bucket by bucket in the next forward. Buckets of 5000 parameters
     (--ddp-bucket-size: many of them), 4 micro-batches a step over CP = 2: the same sums, so the same losses as one
-    reduction after and one gather at the step's end. The save after the last step comes before any next forward:
-    it must gather the parameters first (the checkpoint's weights are those of the run without the overlaps; an
-    evaluation's forward would gather them through the pre-hooks anyway). With the distributed optimizer (reduce-scatter), the layout the GPT-3
+    reduction after and one gather at the step's end. An evaluation after step 2 gathers them first and re-arms the
+    pre-hooks for step 3; the save after the last step comes before any next forward: it must gather the
+    parameters first (the checkpoint's weights are those of the run without the overlaps). With the distributed
+    optimizer (reduce-scatter), the layout the GPT-3
     runs use; plain DDP (all-reduce) is the same code in megatron-core (one run pair, to keep the CPU suite's
     time)."""
     from .ckpt_compare import read_checkpoint
 
     flags = ["--train-iters", "3", "--context-parallel-algo", "ring", "--micro-batch-size", "1",
-             "--global-batch-size", "4", "--use-distributed-optimizer"]
-    out, buckets, weights = [], [], []
+             "--global-batch-size", "4", "--use-distributed-optimizer", "--eval-interval", "2", "--eval-iters", "1"]
+    out, buckets, weights, valid = [], [], [], []
     for extra in ([], ["--overlap-grad-reduce", "--ddp-bucket-size", "5000", "--overlap-param-gather"]):
         log, res, ckpt = (tmp_path / f"{x}{len(extra)}" for x in ("log.jsonl", "res.json", "ckpt"))
-        _pretrain(*flags, *extra, "--log-json", str(log), "--result-json", str(res), "--save", str(ckpt), nproc=2)
+        r = _pretrain(*flags, *extra, "--log-json", str(log), "--result-json", str(res), "--save", str(ckpt),
+                      nproc=2)
         out.append(_losses(log))
+        valid.append([float(x) for x in re.findall(r"validation loss ([0-9.]+)", r.stdout)])
         got = json.loads(res.read_text())
         buckets.append((got["overlap_grad_reduce"], got["overlap_param_gather"], got["grad_buckets"]))
         weights.append({k: v for k, v in read_checkpoint(ckpt / "iter_0000003", tmp_path).items()
                         if k.startswith("model") and isinstance(v, torch.Tensor)})
     assert buckets[0] == (False, False, 1) and buckets[1][:2] == (True, True) and buckets[1][2] > 4, buckets
     assert len(out[0]) == 3 and out[0] == pytest.approx(out[1], rel=1e-6, abs=1e-6), out
+    assert len(valid[0]) == 1 and valid[0] == pytest.approx(valid[1], rel=1e-6, abs=1e-6), valid  # mid-run
     assert weights[0] and weights[0].keys() == weights[1].keys()
     off = [k for k in weights[0] if not torch.allclose(weights[0][k].float(), weights[1][k].float(), rtol=1e-5,
                                                         atol=1e-6)]

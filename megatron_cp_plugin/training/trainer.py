@@ -204,7 +204,6 @@ class Trainer:
         self.iteration += 1
         return total
 
-    @torch.no_grad()
     @contextlib.contextmanager
     def params_in_sync(self):
         """With --overlap-param-gather the parameters the last step updated arrive during the next forward, bucket
@@ -219,6 +218,7 @@ class Trainer:
         finally:
             self.model.enable_forward_pre_hook()
 
+    @torch.no_grad()
     def evaluate(self) -> float:
         with self.params_in_sync():
             losses = [self._loss(b)[1].item() for it in range(self.args.eval_iters)
