@@ -507,8 +507,10 @@ WIRE_BOUNDS = {"ring": {"o": 1.55, "dq": 1.3, "dk": 1.3, "dv": 1.3},
                "attention2d-o": {"o": 1.55, "dq": 1.45, "dk": 1.65, "dv": 1.65},
                # dK, dV partials (of the gathered keys / of replicated K, V heads) rounded once, summed at the owner
                "allgather": {"o": 1.55, "dq": 1.3, "dk": 1.65, "dv": 1.65},
-               # one local kernel over the whole sequence: o and dq as on one device (ratio 1.00 measured, P = 4)
-               "ulysses": {"o": 1.05, "dq": 1.05, "dk": 1.65, "dv": 1.65},
+               # by zigzag halves (`_ulysses_halves`): O_B merges two blocks' outputs, each back in bf16, as ring's
+               # o (1.10 measured, P = 4); dQ, dK, dV summed over blocks in fp32, rounded once (one local kernel over
+               # the whole sequence, before: o and dq 1.00)
+               "ulysses": {"o": 1.55, "dq": 1.3, "dk": 1.65, "dv": 1.65},
                "ulysses-ring": {"o": 1.55, "dq": 1.3, "dk": 1.65, "dv": 1.65}}
 
 
@@ -862,7 +864,9 @@ def _ulysses_copies(rank, world, heads):
     (`_gather_rows`: Q, K, V, dO) and nothing else; the rows going back to their members' shards are written
     straight into the all-to-all's send buffer."""
     from torch.utils._python_dispatch import TorchDispatchMode
+    from megatron_cp_plugin.algos import _ulysses_halves
 
+    _ulysses_halves.ENABLED = False                         # the one all-to-all path (the halves have their own)
     seen = []
 
     class Ops(TorchDispatchMode):
@@ -884,6 +888,7 @@ def _ulysses_copies(rank, world, heads):
             o = mcp.context_parallel_attention(ql, kl, vl, algo="ulysses", causal=True)
             o.backward(dol)
         got[f"{h}/{hk}"] = sorted(seen)
+    _ulysses_halves.ENABLED = True
     return got
 
 
@@ -897,13 +902,67 @@ def test_ulysses_sends_its_outputs_without_an_index_copy(pools, world, heads):
     assert got == [{f"{h}/{hk}": ["cat"] * 4 for h, hk in heads}] * world, got[0]
 
 
+def _ulysses_halves_case(rank, world, batch):
+    """Ulysses by zigzag halves (`_ulysses_halves`) against fp64, fp32 and bf16, MHA and GQA with K, V heads split
+    evenly; its all-to-alls counted (8 a forward: Q, K, V one a tensor and O, by halves; 4 a backward: dO one a
+    half, dQ, dK, dV one a half; 2 and 2 on the one-all-to-all path) and its bytes against that path's."""
+    from megatron_cp_plugin.algos import _ulysses_halves
+
+    bad, calls = [], []
+    real = dist.all_to_all_single
+
+    def counted(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+    for i, (h, hk) in enumerate(((4 * world, 4 * world), (4 * world, 2 * world))):
+        q, k, v, do = (t[:batch] for t in _inputs(70 + i, 2 * world * 5, h, hk, 16, torch.float32))
+        qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
+        o_ref, _ = attention_reference(qr, kr, vr, mask="causal")
+        ref = (o_ref.detach(),) + torch.autograd.grad(o_ref, (qr, kr, vr), do.double())
+        shard = lambda t: mcp.shard_sequence(t, algo="ulysses").detach()  # noqa: E731
+        runs = []
+        for on in (True, False):
+            _ulysses_halves.ENABLED = on
+            ql, kl, vl = (shard(t).requires_grad_() for t in (q, k, v))
+            stats = mcp.CommStats()
+            calls.clear()
+            dist.all_to_all_single = counted
+            try:
+                o = mcp.context_parallel_attention(ql, kl, vl, algo="ulysses", causal=True, comm_stats=stats)
+                n_fwd = len(calls)
+                o.backward(shard(do))
+            finally:
+                dist.all_to_all_single = real
+            runs.append((n_fwd, len(calls) - n_fwd, stats.forward_bytes, stats.backward_bytes))
+            if on:
+                for n, x, r in zip(("o", "dq", "dk", "dv"), (o, ql.grad, kl.grad, vl.grad), ref):
+                    err = _rel(x, shard(r))
+                    if not err < 1e-5:
+                        bad.append(f"P={world} b={batch} h={h}/{hk} {n}: {err:.2e}")
+        _ulysses_halves.ENABLED = True
+        if runs[0][:2] != (8, 4) or runs[1][:2] != (2, 2) or runs[0][2:] != runs[1][2:]:
+            bad.append(f"P={world} b={batch} h={h}/{hk}: all-to-alls and bytes (halves, one) {runs}")
+    assert not bad, "\n".join(bad)
+    return True
+
+
+@pytest.mark.parametrize("world,batch", [(2, 1), (3, 2), (4, 1)])
+def test_ulysses_by_zigzag_halves_matches_fp64_with_ulysses_bytes(pools, world, batch):
+    """Causal ulysses on zigzag shards runs by halves: the first half's Q, K, V all-to-all, its causal block while
+    the second half's travels, then the second half against the first (non-causal) and itself (causal), merged as
+    ring merges. Against fp64 at batch 1 (the received first half used in place) and 2; its all-to-alls (one a
+    tensor and half) and the same bytes as the one all-to-all path."""
+    assert all(pools(world).run(_ulysses_halves_case, batch, timeout=300))
+
+
 def _ulysses_head_chunks(rank, world, heads):
     """Ulysses with its head chunks forced on (PIPELINE_MIN_BYTES = 0) against fp64, dense and packed, causal and
     not, fp32 and bf16; and, fp32, bit for bit the single all-to-all's output and gradients and its bytes."""
-    from megatron_cp_plugin.algos import ulysses
+    from megatron_cp_plugin.algos import _ulysses_halves, ulysses
 
     keep = ulysses.PIPELINE_MIN_BYTES
     bad, chunks = [], []
+    _ulysses_halves.ENABLED = False                         # the one all-to-all path is what the chunks split
     try:
         for i, ((h, hk), causal) in enumerate(itertools.product(heads, (True, False))):
             plan = ulysses.HeadsPlan(dist.group.WORLD, world, rank, tuple(range(world)), world, hk)
@@ -928,6 +987,7 @@ def _ulysses_head_chunks(rank, world, heads):
                            f"(bytes {got_bytes} vs {want_bytes})")
     finally:
         ulysses.PIPELINE_MIN_BYTES = keep
+        _ulysses_halves.ENABLED = True
     assert not bad, "\n".join(bad)
     return chunks
 

@@ -37,6 +37,10 @@ likewise with dO and dQ, dK, dV. Only the first chunk's inputs and the last one'
 the bytes each way. Same bytes (chunks that would send a K, V head to more members than the whole call does are
 not taken), same kernels per head, the same bits on the CPU (tests/test_cp_attention.py).
 
+Causal zigzag shards take `_ulysses_halves`' schedule where it applies (`by_halves`): the same bytes in two
+all-to-alls each way by sequence half, the first half attending while the second travels, the second half as
+ring's non-causal + causal blocks.
+
 Design notes (looked up, not copied): TransformerEngine's `cp_comm_type=a2a` (`AttnFuncWithCPAndQKVOA2A`) and
 yunchang's Ulysses attention exchange each of Q, K, V in its own all-to-all and need the KV heads divisible by
 the group; here Q, K, V share one all-to-all (comm.all_to_all packs them), as do dQ, dK, dV, and K, V heads the
@@ -63,6 +67,7 @@ from ..kernels.segments import Segments, to_device
 from ._function import CPAttention
 from ._layout import layout_positions
 from ._packing import Packing, _zigzag_order
+from . import _ulysses_halves as halves
 from . import ring as _ring
 
 
@@ -329,8 +334,23 @@ def chunk_count(h: int, h_kv: int, U: int, nbytes: int) -> int:
     return 1
 
 
+def by_halves(plan: HeadsPlan, shape, h_kv: int, causal: bool, packing, idx) -> bool:
+    """Whether this call runs `_ulysses_halves`' schedule (two all-to-alls by zigzag half, ring's blocks): causal,
+    no packed documents, plain ulysses, one head chunk, K, V heads split evenly over the members in one uniform GQA
+    block each, and the zigzag row order. `shape`: q's [b, s, h, d]."""
+    b, s, h, d = shape
+    U = plan.size
+    if not (halves.ENABLED and causal and packing is None and plan.ring is None and plan.a2a is not None):
+        return False
+    nbytes = b * s * (h + 2 * h_kv) * d * 2
+    return (head_chunks(plan, h, h_kv, nbytes) == 1 and _kv_split(kv_spans(h, h_kv, U), U)[0] == "even"
+            and len(head_segments(h, h_kv, U, plan.me)) == 1 and halves.zigzag_halves(idx, s, U))
+
+
 def _forward(plan: HeadsPlan, q, k, v, *, causal, scale, backend, stats=None, packing=None):
     idx, inv = plan.order(q.shape[1], packing, causal, q.device)
+    if by_halves(plan, q.shape, k.shape[2], causal, packing, idx):
+        return halves.forward(plan, q, k, v, scale=scale, backend=backend, stats=stats)
     h, h_kv = q.shape[2], k.shape[2]
     C = head_chunks(plan, h, h_kv, (q.numel() + k.numel() + v.numel()) * q.element_size())
     hc, kc = h // C, h_kv // C                          # each chunk: hc q heads reading kc K, V heads
@@ -363,6 +383,8 @@ def _forward(plan: HeadsPlan, q, k, v, *, causal, scale, backend, stats=None, pa
 
 def _backward(plan: HeadsPlan, do, *saved, causal, scale, backend, stats=None, packing=None):
     idx, inv = plan.order(do.shape[1], packing, causal, do.device)
+    if by_halves(plan, do.shape, plan.h_kv, causal, packing, idx):
+        return halves.backward(plan, do, *saved, scale=scale, backend=backend, stats=stats)
     C = len(saved) // 5                                 # the forward's head chunks: (q_h, k_h, v_h, o_h, lse) each
     hc, kc = do.shape[2] // C, plan.h_kv // C
     spans = kv_spans(hc, kc, plan.size)
