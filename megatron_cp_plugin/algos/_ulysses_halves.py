@@ -23,8 +23,9 @@ import functools
 
 import torch
 
-from ..comm import PostedAllToAll, all_to_all_start, send_buffer
+from ..comm import PostedAllToAll, all_to_all_start
 from ..kernels.local_attn import acc_dtype, block_bwd_into, block_fwd, block_fwd_into
+from ..kernels.segments import to_device
 
 ENABLED = True
 """Ulysses takes this schedule where `usable` says it can. Not yet timed on a GPU (2026-11-27, written without
@@ -59,23 +60,21 @@ def _in(plan, xs, flip: bool, stats, phase) -> PostedAllToAll:
     return PostedAllToAll(None, lambda: [p.wait() for p in posted])
 
 
-def _out(plan, xs, dsts, flip: bool, stats, phase):
-    """The inverse of `_in`: xs [b, U m, hh, d] -> dsts [b, m, H, d] (views written after `.wait()`); member u's
-    rows are chunk u of x (flip: chunk U - 1 - u), written straight into the send buffer."""
-    U = plan.size
-    shapes = [(U, x.shape[0], x.shape[1] // U) + x.shape[2:] for x in xs]          # [U, b, m, hh, d] each
-    packed, views = send_buffer(U, [(x.dtype, sh) for x, sh in zip(xs, shapes)], xs[0].device)
-    if views is None:                                               # mixed element sizes
-        packed, views = None, [torch.empty(sh, dtype=x.dtype, device=x.device) for x, sh in zip(xs, shapes)]
-    for x, dst in zip(xs, views):
-        chunks = x.view(dst.shape[1], U, *dst.shape[2:])
-        for u in range(U):
-            dst[u].copy_(chunks[:, U - 1 - u if flip else u])
+@functools.lru_cache(maxsize=64)
+def _half_order(U: int, m: int, flip: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(idx, inv) in `ulysses.HeadsPlan.order`'s sense for one half on its way back: its rows [U m] hold chunk j
+    at j m .. (j + 1) m - 1, which goes to member j (flip: U - 1 - j)."""
+    members = reversed(range(U)) if flip else range(U)
+    idx = torch.cat([torch.arange(u * m, (u + 1) * m) for u in members])
+    return to_device(idx, device), to_device(torch.argsort(idx), device)
 
-    def finish(parts):
-        for r, dst in zip(parts, dsts):                             # r [U, b, m, hh, d]: member u's heads at u
-            dst.view(*dst.shape[:2], U, r.shape[3], r.shape[4]).copy_(r.permute(1, 2, 0, 3, 4))
-    return all_to_all_start(plan.a2a, views, stats, phase, packed=packed).then(finish)
+
+def _out(plan, xs, dsts, flip: bool, stats, phase) -> PostedAllToAll:
+    """The inverse of `_in`: xs [b, U m, hh, d] -> dsts [b, m, H, d] (written after `.wait()`), through ulysses'
+    own way back (`to_sequence`: each member's chunk written straight into the send buffer)."""
+    from .ulysses import to_sequence                                # ulysses imports this module
+    order = _half_order(plan.size, xs[0].shape[1] // plan.size, flip, xs[0].device)
+    return to_sequence(plan, [(x, None) for x in xs], order, stats, phase, dsts)
 
 
 def forward(plan, q, k, v, *, scale, backend, stats=None):

@@ -334,22 +334,22 @@ def chunk_count(h: int, h_kv: int, U: int, nbytes: int) -> int:
     return 1
 
 
-def by_halves(plan: HeadsPlan, shape, h_kv: int, causal: bool, packing, idx) -> bool:
+def by_halves(plan: HeadsPlan, x, h_kv: int, causal: bool, packing, idx) -> bool:
     """Whether this call runs `_ulysses_halves`' schedule (two all-to-alls by zigzag half, ring's blocks): causal,
     no packed documents, plain ulysses, one head chunk, K, V heads split evenly over the members in one uniform GQA
-    block each, and the zigzag row order. `shape`: q's [b, s, h, d]."""
-    b, s, h, d = shape
+    block each, and the zigzag row order. `x`: q (forward) or dO (backward), [b, s, h, d]."""
+    b, s, h, d = x.shape
     U = plan.size
     if not (halves.ENABLED and causal and packing is None and plan.ring is None and plan.a2a is not None):
         return False
-    nbytes = b * s * (h + 2 * h_kv) * d * 2
+    nbytes = b * s * (h + 2 * h_kv) * d * x.element_size()        # this rank's Q, K, V bytes, as `_forward` counts
     return (head_chunks(plan, h, h_kv, nbytes) == 1 and _kv_split(kv_spans(h, h_kv, U), U)[0] == "even"
             and len(head_segments(h, h_kv, U, plan.me)) == 1 and halves.zigzag_halves(idx, s, U))
 
 
 def _forward(plan: HeadsPlan, q, k, v, *, causal, scale, backend, stats=None, packing=None):
     idx, inv = plan.order(q.shape[1], packing, causal, q.device)
-    if by_halves(plan, q.shape, k.shape[2], causal, packing, idx):
+    if by_halves(plan, q, k.shape[2], causal, packing, idx):
         return halves.forward(plan, q, k, v, scale=scale, backend=backend, stats=stats)
     h, h_kv = q.shape[2], k.shape[2]
     C = head_chunks(plan, h, h_kv, (q.numel() + k.numel() + v.numel()) * q.element_size())
@@ -383,7 +383,7 @@ def _forward(plan: HeadsPlan, q, k, v, *, causal, scale, backend, stats=None, pa
 
 def _backward(plan: HeadsPlan, do, *saved, causal, scale, backend, stats=None, packing=None):
     idx, inv = plan.order(do.shape[1], packing, causal, do.device)
-    if by_halves(plan, do.shape, plan.h_kv, causal, packing, idx):
+    if by_halves(plan, do, plan.h_kv, causal, packing, idx):
         return halves.backward(plan, do, *saved, scale=scale, backend=backend, stats=stats)
     C = len(saved) // 5                                 # the forward's head chunks: (q_h, k_h, v_h, o_h, lse) each
     hc, kc = do.shape[2] // C, plan.h_kv // C
