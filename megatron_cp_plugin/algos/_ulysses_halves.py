@@ -10,9 +10,12 @@ second, causal attention over the whole sequence is
     O_A = attn(Q_A, K_A, V_A, causal)                        while the second all-to-all travels; O_A sent back
     O_B = merge(attn(Q_B, K_A, V_A), attn(Q_B, K_B, V_B, causal))
 
-and the backward the same blocks in the same order, dK_A, dV_A summed over two blocks in fp32. Why (docs/
-performance.md, twentieth session): one causal call over the whole sequence runs at one GPU's causal rate, and its
-all-to-alls were waited for before and after it; ring's zigzag steps run half their work as non-causal blocks.
+Only the forward: the backward is ulysses' own (one dO all-to-all, one causal call, one all-to-all back). Why
+(docs/performance.md, twentieth and twenty-first sessions): one causal forward over the whole sequence runs at
+one GPU's causal rate and its all-to-alls were waited for; ring's zigzag steps run half their work as
+non-causal blocks, faster. Measured on 2 x H200 at 128k (16 heads, P = 2): the forward by halves 64.0 ms against
+68.5 in one call; a backward by the same blocks 177 ms against the one causal call's 171.5 (its fp32 sums and
+three calls' preprocessing cost more than the overlap saved), so the backward stays one call.
 Where it applies: causal, no packed documents, plain ulysses (no ring across groups), one head chunk, the K, V
 heads split evenly over the members, and the zigzag layout (`usable`); everything else takes ulysses' one
 all-to-all path.
@@ -24,12 +27,12 @@ import functools
 import torch
 
 from ..comm import PostedAllToAll, all_to_all_start
-from ..kernels.local_attn import acc_dtype, block_bwd_into, block_fwd, block_fwd_into
+from ..kernels.local_attn import acc_dtype, block_fwd, block_fwd_into
 from ..kernels.segments import to_device
 
 ENABLED = True
-"""Ulysses takes this schedule where `usable` says it can. Not yet timed on a GPU (2026-11-27, written without
-device time): the A/B is `bench attention --seq 131072 --algos ring ulysses` with this True and False."""
+"""Ulysses' forward takes this schedule where `ulysses.by_halves` says it can (the A/B switch: `bench attention
+--seq 131072 --algos ring ulysses` with this True and False)."""
 
 
 @functools.lru_cache(maxsize=64)
@@ -78,7 +81,8 @@ def _out(plan, xs, dsts, flip: bool, stats, phase) -> PostedAllToAll:
 
 
 def forward(plan, q, k, v, *, scale, backend, stats=None):
-    """o [b, s, h, d] and the saved (Q_A, K_A, V_A, O_A, lse_A, Q_B, K_B, V_B, O_B, lse_B)."""
+    """o [b, s, h, d] and the saved (q_h, k_h, v_h, o_h, lse) of ulysses' one all-to-all path, whose backward
+    (`ulysses._backward`) takes it from there."""
     m = q.shape[1] // 2
     first = _in(plan, [q[:, :m], k[:, :m], v[:, :m]], False, stats, "forward")
     second = _in(plan, [q[:, m:], k[:, m:], v[:, m:]], True, stats, "forward")
@@ -95,34 +99,11 @@ def forward(plan, q, k, v, *, scale, backend, stats=None):
     block_fwd_into(ob_acc, lse_b, qb, kb, vb, first=False, mask="causal", scale=scale, backend=backend)
     ob = ob_acc.to(q.dtype)
     back_b = _out(plan, [ob], [o[:, m:]], True, stats, "forward")
+    # Saved as the one all-to-all path saves them (the halves side by side are the sequence in token order):
+    # its backward, one causal call over the whole sequence, runs 5.5 ms faster than these blocks' backward
+    # (ring's mix) at 128k over 2 H200s, where the forward by halves is 4.5 ms faster (twentieth session's A/B)
+    saved = tuple(torch.cat(pair, dim=d) for pair, d in (((qa, qb), 1), ((ka, kb), 1), ((va, vb), 1),
+                                                         ((oa, ob), 1), ((lse_a, lse_b), 2)))
     back_a.wait()
     back_b.wait()
-    return o, (qa, ka, va, oa, lse_a, qb, kb, vb, ob, lse_b)
-
-
-def backward(plan, do, qa, ka, va, oa, lse_a, qb, kb, vb, ob, lse_b, *, scale, backend, stats=None):
-    """dq, dk, dv [b, s, ., d] of `forward`'s blocks, in the same order: A's causal block while dO_B travels,
-    then B against A (dK_A, dV_A complete: sent back), then B's causal block."""
-    b, s, h, d = do.shape
-    m = s // 2
-    first = _in(plan, [do[:, :m]], False, stats, "backward")
-    second = _in(plan, [do[:, m:]], True, stats, "backward")
-    acc = acc_dtype(do.dtype)
-    dq, dk, dv = do.new_empty(do.shape), do.new_empty((b, s, plan.h_kv, d)), do.new_empty((b, s, plan.h_kv, d))
-    (do_a,) = first.wait()
-    dqa, dka, dva = (torch.empty(t.shape, dtype=acc, device=do.device) for t in (qa, ka, va))
-    block_bwd_into(dqa, dka, dva, do_a, qa, ka, va, oa, lse_a, first_q=True, first_kv=True, mask="causal",
-                   scale=scale, backend=backend)
-    (do_b,) = second.wait()
-    dqb, dkb, dvb = (torch.empty(t.shape, dtype=acc, device=do.device) for t in (qb, kb, vb))
-    block_bwd_into(dqb, dka, dva, do_b, qb, ka, va, ob, lse_b, first_q=True, first_kv=False, mask="none",
-                   scale=scale, backend=backend)
-    back_a = _out(plan, [t.to(do.dtype) for t in (dqa, dka, dva)], [dq[:, :m], dk[:, :m], dv[:, :m]], False,
-                  stats, "backward")
-    block_bwd_into(dqb, dkb, dvb, do_b, qb, kb, vb, ob, lse_b, first_q=False, first_kv=True, mask="causal",
-                   scale=scale, backend=backend)
-    back_b = _out(plan, [t.to(do.dtype) for t in (dqb, dkb, dvb)], [dq[:, m:], dk[:, m:], dv[:, m:]], True,
-                  stats, "backward")
-    back_a.wait()
-    back_b.wait()
-    return dq, dk, dv
+    return o, saved

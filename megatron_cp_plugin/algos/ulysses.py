@@ -37,9 +37,9 @@ likewise with dO and dQ, dK, dV. Only the first chunk's inputs and the last one'
 the bytes each way. Same bytes (chunks that would send a K, V head to more members than the whole call does are
 not taken), same kernels per head, the same bits on the CPU (tests/test_cp_attention.py).
 
-Causal zigzag shards take `_ulysses_halves`' schedule where it applies (`by_halves`): the same bytes in two
-all-to-alls each way by sequence half, the first half attending while the second travels, the second half as
-ring's non-causal + causal blocks.
+Causal zigzag shards run the forward by `_ulysses_halves`' schedule where it applies (`by_halves`): the same bytes
+in two all-to-alls each way by sequence half, the first half attending while the second travels, the second half
+as ring's non-causal + causal blocks; the backward is this path's.
 
 Design notes (looked up, not copied): TransformerEngine's `cp_comm_type=a2a` (`AttnFuncWithCPAndQKVOA2A`) and
 yunchang's Ulysses attention exchange each of Q, K, V in its own all-to-all and need the KV heads divisible by
@@ -382,9 +382,8 @@ def _forward(plan: HeadsPlan, q, k, v, *, causal, scale, backend, stats=None, pa
 
 
 def _backward(plan: HeadsPlan, do, *saved, causal, scale, backend, stats=None, packing=None):
+    # Also the backward of the halves' forward (`_ulysses_halves`), which saves what this path's forward does
     idx, inv = plan.order(do.shape[1], packing, causal, do.device)
-    if by_halves(plan, do, plan.h_kv, causal, packing, idx):
-        return halves.backward(plan, do, *saved, scale=scale, backend=backend, stats=stats)
     C = len(saved) // 5                                 # the forward's head chunks: (q_h, k_h, v_h, o_h, lse) each
     hc, kc = do.shape[2] // C, plan.h_kv // C
     spans = kv_spans(hc, kc, plan.size)
