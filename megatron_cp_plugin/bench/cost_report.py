@@ -47,10 +47,11 @@ def load_measured(path: str | os.PathLike | None = None) -> dict:
         return json.load(f)
 
 
-def attention_problem(s: dict, seq_len: int) -> Problem:
-    """The Problem a measured attention set ran: bench.cp_attention places Attention2D grids column-major; the
-    grid is the one the set records (what ran then), else choose_grid's."""
-    grid = tuple(s["attention2d_grid"]) if s.get("attention2d_grid") else None
+def attention_problem(s: dict, seq_len: int, algo: str = "attention2d-no") -> Problem:
+    """The Problem `algo` ran in a measured attention set: bench.cp_attention places Attention2D grids
+    column-major, on the grid the set records (what ran then: the bytes the benchmark counted say which,
+    tests/test_cost_model.py), else choose_grid's; the other grid algorithm, ulysses-ring, on its own default."""
+    grid = tuple(s["attention2d_grid"]) if s.get("attention2d_grid") and algo.startswith("attention2d") else None
     return Problem(seq_len, s["world"], s["heads"], s["kv_heads"], s["head_dim"], s["batch"], s["dtype_bytes"],
                    s["causal"], grid=grid, node_aware=False)
 
@@ -64,7 +65,7 @@ def log_errors(hw: Hardware, s: dict, rows) -> list[float]:
     """log(predicted / measured) of the forward and the fwd+bwd time of each row of set s."""
     out = []
     for r in rows:
-        p = predict(r["algo"], attention_problem(s, r["seq_len"]), hw)
+        p = predict(r["algo"], attention_problem(s, r["seq_len"], r["algo"]), hw)
         out += [math.log(p.fwd_s * 1e3 / r["fwd_ms"]), math.log(p.total_s * 1e3 / r["fwd_bwd_ms"])]
     return out
 
@@ -131,7 +132,7 @@ def table_measured(data: dict | None = None) -> list[Table]:
         if s["hardware"] != "h200-nvlink":
             continue
         for r in s["rows"]:
-            p = predict(r["algo"], attention_problem(s, r["seq_len"]), HARDWARE["h200-nvlink"])
+            p = predict(r["algo"], attention_problem(s, r["seq_len"], r["algo"]), HARDWARE["h200-nvlink"])
             pf, pt = p.fwd_s * 1e3, p.total_s * 1e3
             rows.append({"P": s["world"], "S": r["seq_len"], "algo": r["algo"], "grid": _grid(p),
                          "pred fwd": pf, "meas fwd": r["fwd_ms"], "err fwd": pf / r["fwd_ms"] - 1,
@@ -150,7 +151,7 @@ def table_measured(data: dict | None = None) -> list[Table]:
         refit = fit_link(preset, s, fit_rows)
         rows = []
         for r in s["rows"]:
-            pb = attention_problem(s, r["seq_len"])
+            pb = attention_problem(s, r["seq_len"], r["algo"])
             a, b = (predict(r["algo"], pb, hw) for hw in (preset, refit))
             rows.append({"S": r["seq_len"], "algo": r["algo"], "grid": _grid(a), "meas fwd": r["fwd_ms"],
                          "pred fwd (preset / refit)": (a.fwd_s * 1e3, b.fwd_s * 1e3),
