@@ -206,7 +206,8 @@ def test_nvlink_predictions_are_checks_nothing_fitted(monkeypatch):
     the 128k half, P = 4 at 128k, and P = 2 at 128k with every algorithm after issue 34's kernels (there every
     fwd+bwd within 10%: -4% ring to -10% ulysses-ring), and the same on 2 x H100 (the H200 preset standing in: one
     H100 ran the whole 128k in 458 ms, one H200 in 453) after the fused merge (-5% to -12%), and on 2 x H200 again at
-    the thirteenth session's code (-5% to -9%). Tolerance, one-sided: the kernel rates are the single-kernel cuDNN rates
+    the thirteenth session's code (-5% to -9%) and the twenty-first's (ulysses' forward by halves; -6% to -8%).
+    Tolerance, one-sided: the kernel rates are the single-kernel cuDNN rates
     at 16k-64k and the model leaves out the fall-off on the smaller per-step blocks and the SMs NCCL's copy
     kernels take, so it may only be low: by up to 15% at 128k (where the kernel alone ran 562 / 535 TFLOP/s
     against the preset's 600 / 566, 6% of it) and 25% at 32k (the smallest blocks); +5% above allows the
@@ -214,11 +215,11 @@ def test_nvlink_predictions_are_checks_nothing_fitted(monkeypatch):
     compute factor is fitted on fwd+bwd, and Attention2D-NO's forward on a 2 x 1 grid costs relatively less than its
     backward (with the 2026-11-26 H100 refit, fwd +6.3% where fwd+bwd is -4%)."""
     hw = HARDWARE["h200-nvlink"]
-    # Every set was measured before ulysses pipelined its head chunks (2026-11-27): the model of the code that ran
+    # No set ran ulysses' head chunks (on from the nineteenth session to the twentieth, never measured in a set)
     from megatron_cp_plugin.algos import ulysses
     monkeypatch.setattr(ulysses, "PIPELINE_MIN_BYTES", 1 << 62)
     for name in ("nvlink-p2", "nvlink-p2-rerun", "nvlink-p4", "nvlink-p2-issue34", "nvlink-p2-h100-issue34",
-                 "nvlink-p2-h200-issue34-s13"):
+                 "nvlink-p2-h200-issue34-s13", "nvlink-p2-h200-issue34-s21"):
         s = _set(name)
         for r in s["rows"]:
             p = cm.predict(r["algo"], attention_problem(s, r["seq_len"], r["algo"]), hw)
