@@ -1,12 +1,14 @@
 """megatron-cp-pretrain on CPU processes: CP losses track CP = 1, resume, real data, bad flags, a killed rank."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -451,3 +453,29 @@ def test_overlapped_parameter_gather_is_refused_without_what_megatron_lm_require
 def test_a_bucket_size_below_one_is_refused_before_any_rank_starts():
     r = _pretrain("--ddp-bucket-size", "0", check=False)
     assert r.returncode != 0 and "--ddp-bucket-size 0: must be at least 1" in r.stdout + r.stderr
+
+
+def test_evaluation_runs_without_autograd_and_with_the_parameters_gathered(monkeypatch):
+    """Trainer.evaluate's forwards build no graph (a validation pass that kept one would hold every layer's
+    activations), and run inside params_in_sync (with --overlap-param-gather the weights are gathered first)."""
+    from megatron_cp_plugin.training import trainer as tr
+    seen = []
+
+    class Stub:
+        args = SimpleNamespace(eval_iters=2)
+        valid_data, dp_rank = None, 0
+
+        @contextlib.contextmanager
+        def params_in_sync(self):
+            seen.append("sync")
+            yield
+            seen.append("end")
+
+        def _loss(self, batch):
+            seen.append(torch.is_grad_enabled())
+            return None, torch.tensor(float(batch))
+
+    monkeypatch.setattr(tr, "micro_batches", lambda data, args, it, dp: [it + 1, it + 3])
+    assert torch.is_grad_enabled()
+    assert tr.Trainer.evaluate(Stub()) == (1 + 3 + 2 + 4) / 4
+    assert seen == ["sync", False, False, False, False, "end"]
