@@ -139,6 +139,32 @@ def test_ring_rounds_match_fp64_reference(pools, algo, world, round_tokens, g):
         assert pools(world).run(_ring_rounds, algo, dtype, round_tokens) == [(True, g)] * world
 
 
+def _ring_rounds_one_peer_a_batch(rank, world, algo, round_tokens):
+    """_ring_rounds with ring.MAX_BATCH_MESSAGES below one peer's messages: every batch_isend_irecv then carries one
+    peer (the cap never splits a peer), and the results are as exact as with a round in one batch."""
+    from megatron_cp_plugin import comm
+    from megatron_cp_plugin.algos import ring
+
+    peers, real = [], comm.Exchange.post
+
+    def post(self, sends, recvs):
+        peers.append((len(sends), len(recvs)))
+        return real(self, sends, recvs)
+    saved, ring.MAX_BATCH_MESSAGES, comm.Exchange.post = ring.MAX_BATCH_MESSAGES, 2, post
+    try:
+        ok = _ring_rounds(rank, world, algo, torch.float32, round_tokens)
+    finally:
+        ring.MAX_BATCH_MESSAGES, comm.Exchange.post = saved, real
+    return ok, max(peers)
+
+
+@pytest.mark.parametrize("algo", ["ring", "burst"])
+def test_a_rounds_batches_stay_under_the_message_cap(pools, algo):
+    """A round of 3 peers (P = 6) with MAX_BATCH_MESSAGES = 2 posts each peer in a batch of its own (the sends to
+    the rank d ahead and that rank's receives from d behind in the same batch everywhere: no hang), against fp64."""
+    assert pools(6).run(_ring_rounds_one_peer_a_batch, algo, 30) == [((True, 3), (1, 1))] * 6
+
+
 def _ring_rounds_batch_one(rank, world, algo, dtype, round_tokens):
     """_ring_rounds at micro-batch 1, where a round's partials travel as views of the kernels' outputs."""
     global BATCH

@@ -44,6 +44,11 @@ ran at 0.96-0.98x the ideal, at 16k (1M over P = 64) at 1.02-1.07x (same H100 ru
 were slower than the neighbour ring with MHA (above), rounds of 8 level with it."""
 ROUND_MIN_P = 4
 """Rounds from this many ranks on: below it a round's calls (up to three) would outnumber the steps they replace."""
+MAX_BATCH_MESSAGES = 256
+"""Most point-to-point messages (sends and receives) in one `batch_isend_irecv`, i.e. one NCCL group: a round posts
+its peers in batches of at most this many (`_batches`). Why: batches of ~1000 operations have hung in NCCL while
+256 did not (pytorch/pytorch#174288, #174942, on 4 H100s). A round at P = 64 and 2k tokens a rank posts 128 (ring)
+or 192 (burst), so nothing shipped is split below P = 128 (1k tokens a rank: rounds of 32 peers, 256 and 384)."""
 
 
 def round_size(P: int, s_local: int, packing=None) -> int:
@@ -68,13 +73,24 @@ def _chunks(k, v, causal: bool) -> tuple[list[slice], list]:
     return cuts, [t[:, c].contiguous() for c in cuts for t in (k, v)]
 
 
+def _batches(ex: Exchange, sends: list, recvs: list) -> None:
+    """Post a round's (peer, tensors) sends and receives, entry i of both for dists[i], in batches of whole peers of
+    at most MAX_BATCH_MESSAGES messages. Every rank cuts the same distances into the same batches, so a send to
+    the rank d ahead and that rank's receive from d behind are always in the same NCCL group."""
+    per_peer = len(sends[0][1]) + len(recvs[0][1]) if sends else 1
+    step = max(1, MAX_BATCH_MESSAGES // per_peer)
+    for i in range(0, len(sends), step):
+        ex.post(sends[i:i + step], recvs[i:i + step])
+
+
 def post_round(ex: Exchange, dists: list[int], mine: list) -> list:
     """Send `mine` to the ranks dists ahead, receive the same from the ranks dists behind: [len(dists), ...]
     buffers, one per tensor of mine, row i from the rank dists[i] behind."""
     P, r = ex.world, ex.rank
     bufs = [torch.empty((len(dists),) + tuple(t.shape), dtype=t.dtype, device=t.device) for t in mine]
     rows = [b.unbind(0) for b in bufs]                  # one call a tensor, not one view a peer (host time at P = 64)
-    ex.post([((r + d) % P, mine) for d in dists], [((r - d) % P, [x[i] for x in rows]) for i, d in enumerate(dists)])
+    _batches(ex, [((r + d) % P, mine) for d in dists],
+             [((r - d) % P, [x[i] for x in rows]) for i, d in enumerate(dists)])
     return bufs
 
 
@@ -144,8 +160,8 @@ class RoundPartials:
                     x = end
             back = torch.empty_like(part)
             self._sent = part
-            ex.post([((r - d) % P, [part[i]]) for i, d in enumerate(dists)],
-                    [((r + d) % P, [back[i]]) for i, d in enumerate(dists)])
+            _batches(ex, [((r - d) % P, [part[i]]) for i, d in enumerate(dists)],
+                     [((r + d) % P, [back[i]]) for i, d in enumerate(dists)])
             return back
         like = next(p for row in self.pieces for p in row if p is not None)     # views: in self.dtype already
         zeros = {}
@@ -167,7 +183,7 @@ class RoundPartials:
         cols = [back[:, j, :, cut].unbind(0) for cut in self.cuts for j in range(self.t)]
         recvs = [((r + d) % P, [col[i] for col in cols]) for i, d in enumerate(dists)]
         self._sent = sends
-        ex.post(sends, recvs)
+        _batches(ex, sends, recvs)
         return back
 
 
