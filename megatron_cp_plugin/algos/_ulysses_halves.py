@@ -14,10 +14,10 @@ Only the forward: the backward is ulysses' own (one dO all-to-all, one causal ca
 (docs/performance.md, twentieth and twenty-first sessions): one causal forward over the whole sequence runs at
 one GPU's causal rate and its all-to-alls were waited for; ring's zigzag steps run half their work as
 non-causal blocks, faster. Measured on 2 x H200 at 128k (16 heads, P = 2): the forward by halves 64.0 ms against
-68.5 in one call; a backward by the same blocks 177 ms against the one causal call's 171.5 (its fp32 sums and
-three calls' preprocessing cost more than the overlap saved), so the backward stays one call.
+68.5 in one call; a backward by the same blocks 177 ms against the one causal call's 171.5 (not profiled: three
+calls' preprocessing, dK_A, dV_A summed in fp32 and six casts against one call), so the backward stays one call.
 Where it applies: causal, no packed documents, plain ulysses (no ring across groups), one head chunk, the K, V
-heads split evenly over the members, and the zigzag layout (`usable`); everything else takes ulysses' one
+heads split evenly over the members, and the zigzag layout (`ulysses.by_halves`); everything else takes ulysses' one
 all-to-all path.
 """
 from __future__ import annotations
@@ -101,7 +101,7 @@ def forward(plan, q, k, v, *, scale, backend, stats=None):
     back_b = _out(plan, [ob], [o[:, m:]], True, stats, "forward")
     # Saved as the one all-to-all path saves them (the halves side by side are the sequence in token order):
     # its backward, one causal call over the whole sequence, runs 5.5 ms faster than these blocks' backward
-    # (ring's mix) at 128k over 2 H200s, where the forward by halves is 4.5 ms faster (twentieth session's A/B)
+    # (ring's mix) at 128k over 2 H200s, where the forward by halves is 4.5 ms faster (twenty-first session's A/B)
     saved = tuple(torch.cat(pair, dim=d) for pair, d in (((qa, qb), 1), ((ka, kb), 1), ((va, vb), 1),
                                                          ((oa, ob), 1), ((lse_a, lse_b), 2)))
     back_a.wait()
