@@ -66,11 +66,22 @@ def round_size(P: int, s_local: int, packing=None) -> int:
 
 
 def _chunks(k, v, causal: bool) -> tuple[list[slice], list]:
-    """The rows a round sends of this rank's K, V: causal, its two zigzag chunks apart (k1, v1, k2, v2), so that a
-    round's first chunks are one run of keys; else (k, v)."""
+    """The rows a round sends of this rank's K, V, one message a chunk: causal, its two zigzag chunks apart, so
+    that a round's first chunks are one run of keys; else the whole shard. Each chunk is K and V interleaved by
+    token, [b, n, 2, h_kv, d] (flash-attn's kv-packed layout, cuDNN's "bs2hd"; `_kv` reads K and V back as views
+    with a row stride of 2 h_kv d): one message a peer and chunk where K and V apart were two. At P = 64 (rounds
+    of 16 peers) that is 1000 messages a fwd+bwd where there were 1512 (the dK, dV partials unchanged), each a
+    `P2POp` posted from Python (docs/performance.md, twenty-first session)."""
     half = k.shape[1] // 2
     cuts = [slice(0, half), slice(half, None)] if causal else [ALL]
-    return cuts, [t[:, c].contiguous() for c in cuts for t in (k, v)]
+    return cuts, [torch.stack([k[:, c], v[:, c]], dim=2) for c in cuts]
+
+
+def _kv(buf, sel: slice) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V [b, m' n, h_kv, d] of the ranks `sel` of a round's received chunks [m, b, n, 2, h_kv, d]: views at
+    micro-batch 1 (`chunk_run`), last dim contiguous, as the kernels take them."""
+    kv = chunk_run(buf, sel)
+    return kv[:, :, 0], kv[:, :, 1]
 
 
 def _batches(ex: Exchange, sends: list, recvs: list) -> None:
@@ -214,8 +225,7 @@ def _forward_rounds(group, q, k, v, *, causal, scale, backend, stats, g):
         if i + 1 < len(rounds):                                 # the next round's K, V travel during this compute
             nxt = post_round(ex, rounds[i + 1], mine)
         for qs, c, sel, mask in _round_calls(r, dists, s, causal):
-            o_blk, lse_blk = block_fwd(q[:, qs], chunk_run(bufs[2 * c], sel), chunk_run(bufs[2 * c + 1], sel),
-                                       mask=mask, scale=scale, backend=backend)
+            o_blk, lse_blk = block_fwd(q[:, qs], *_kv(bufs[c], sel), mask=mask, scale=scale, backend=backend)
             merge_(o[:, qs], lse[:, :, qs], o_blk, lse_blk)     # online-softmax merge (Alg. 1, lines 13-16)
     return o.to(q.dtype), lse
 
@@ -241,9 +251,8 @@ def _backward_rounds(group, do, q, k, v, o, lse, *, causal, scale, backend, stat
         # the calls meet disjoint rows of the partials; only the second chunks of the ranks before r are not met
         part = RoundPartials(len(dists), 2, k.shape, cuts, k.dtype)
         for qs, c, sel, mask in _round_calls(r, dists, s, causal):
-            dq_b, dk_b, dv_b = block_bwd(do[:, qs], q[:, qs], chunk_run(bufs[2 * c], sel),
-                                         chunk_run(bufs[2 * c + 1], sel), o[:, qs], lse[:, :, qs], mask=mask,
-                                         scale=scale, backend=backend)
+            dq_b, dk_b, dv_b = block_bwd(do[:, qs], q[:, qs], *_kv(bufs[c], sel), o[:, qs], lse[:, :, qs],
+                                         mask=mask, scale=scale, backend=backend)
             dq[:, qs].add_(dq_b)
             part.put(sel, c, (dk_b, dv_b))                      # each source's rows of this call's keys
         if back is not None:
