@@ -165,6 +165,40 @@ def test_a_rounds_batches_stay_under_the_message_cap(pools, algo):
     assert pools(6).run(_ring_rounds_one_peer_a_batch, algo, 30) == [((True, 3), (1, 1))] * 6
 
 
+def _ring_round_messages(rank, world, causal):
+    """Messages (sends + receives) ring's forward in rounds posts, and whether its output is right (against one
+    device's fp64): rounds of 3 ranks at P = 6 (ROUND_TOKENS 30, 10-token shards)."""
+    from megatron_cp_plugin import comm
+    from megatron_cp_plugin.algos import ring
+
+    q, k, v, _ = _inputs(3, 10 * world, 4, 2, 8, torch.float64)
+    n, real = [], comm.Exchange.post
+
+    def post(self, sends, recvs):
+        n.append(sum(len(ts) for _, ts in sends) + sum(len(ts) for _, ts in recvs))
+        return real(self, sends, recvs)
+    saved, ring.ROUND_TOKENS, comm.Exchange.post = ring.ROUND_TOKENS, 30, post
+    try:
+        shard = lambda t: mcp.shard_sequence(t, algo="ring")  # noqa: E731
+        o = mcp.context_parallel_attention(shard(q), shard(k), shard(v), algo="ring", causal=causal)
+    finally:
+        ring.ROUND_TOKENS, comm.Exchange.post = saved, real
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(2, dim=2)) * 8 ** -0.5
+    if causal:
+        scores = scores.masked_fill(torch.ones(10 * world, 10 * world, dtype=torch.bool).triu(1), float("-inf"))
+    want = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v.repeat_interleave(2, dim=2))
+    return sum(n), _rel(o, shard(want)) < 1e-10
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_ring_rounds_send_k_and_v_of_a_chunk_as_one_message(pools, causal):
+    """A round sends each zigzag chunk's K and V as one message ([b, n, 2, h_kv, d]): the forward posts one send and
+    one receive a peer and chunk, 4 (P - 1) at P = 6 causal (two chunks), 2 (P - 1) not; K and V apart were twice
+    that. Against fp64."""
+    per_peer = 4 if causal else 2
+    assert pools(6).run(_ring_round_messages, causal) == [(per_peer * 5, True)] * 6
+
+
 def _ring_rounds_batch_one(rank, world, algo, dtype, round_tokens):
     """_ring_rounds at micro-batch 1, where a round's partials travel as views of the kernels' outputs."""
     global BATCH
