@@ -335,9 +335,9 @@ def chunk_count(h: int, h_kv: int, U: int, nbytes: int) -> int:
 
 
 def by_halves(plan: HeadsPlan, x, h_kv: int, causal: bool, packing, idx) -> bool:
-    """Whether this call runs `_ulysses_halves`' schedule (two all-to-alls by zigzag half, ring's blocks): causal,
-    no packed documents, plain ulysses, one head chunk, K, V heads split evenly over the members in one uniform GQA
-    block each, and the zigzag row order. `x`: q (forward) or dO (backward), [b, s, h, d]."""
+    """Whether this call's forward runs `_ulysses_halves`' schedule (two all-to-alls by zigzag half, ring's blocks):
+    causal, no packed documents, plain ulysses, one head chunk, K, V heads split evenly over the members in one
+    uniform GQA block each, and the zigzag row order. `x`: q [b, s, h, d]."""
     b, s, h, d = x.shape
     U = plan.size
     if not (halves.ENABLED and causal and packing is None and plan.ring is None and plan.a2a is not None):

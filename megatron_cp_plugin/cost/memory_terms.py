@@ -185,8 +185,10 @@ def ulysses(sh: Shape) -> Terms:
     ring's forward on the head shards (R > 1) or the output's (6Q). backward: the largest of the output
     all-to-all (5Q), the local backward (Q + heads + ws, plus ring's backward on the head shards for R > 1) and
     the gradients' all-to-all (5 x heads + 2Ka: their rows written straight into the send buffer,
-    `ulysses._scatter_rows`). The causal zigzag schedule by halves (`_ulysses_halves`) is counted as this: its fp32
-    dQ, dK, dV of both halves (2 x heads) stand where the packed send and receive buffers were (not measured)."""
+    `ulysses._scatter_rows`). The causal zigzag forward by halves (`_ulysses_halves`) is counted as this: its two
+    halves' buffers, the second half's fp32 output and the concatenated saves stay within the packing's 4 x heads
+    (its backward is this one). It saves what this path saves (tests/test_plan.py checks that term); its transient
+    peak is not measured."""
     R, U = sh.grid
     k_u = kv_heads_read(sh.heads, sh.groups, U)
     Kh = sh.tokens * U * k_u * sh.head_dim * sh.elem
