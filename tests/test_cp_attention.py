@@ -199,6 +199,57 @@ def test_ring_rounds_send_k_and_v_of_a_chunk_as_one_message(pools, causal):
     assert pools(6).run(_ring_round_messages, causal) == [(per_peer * 5, True)] * 6
 
 
+def _burst_round_tensors(rank, world, batch):
+    """_ring_rounds for burst (fp32 against fp64, causal and not, MHA and GQA, rounds of 3 at P = 6) at micro-batch
+    `batch`, with the tensors its backward sends each peer a round: (Q, D, lse) and dO of each chunk."""
+    global BATCH
+    from megatron_cp_plugin.algos import burst
+
+    sizes, real = set(), burst.post_round
+
+    def post_round(ex, dists, mine):
+        sizes.add(len(mine))
+        return real(ex, dists, mine)
+    saved, BATCH, burst.post_round = BATCH, batch, post_round
+    try:
+        ok = _ring_rounds(rank, world, "burst", torch.float32, 30)
+    finally:
+        BATCH, burst.post_round = saved, real
+    return ok, sorted(sizes)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_burst_rounds_send_q_with_its_statistics(pools, batch):
+    """Burst's backward rounds send each zigzag chunk's Q with its D and lse as one message (burst.QStat) and its dO
+    as another: 4 tensors a peer causal (two chunks), 2 not, where Q, dO and (D, lse) apart were 6 and 3. Against
+    fp64, at micro-batch 1 (Q read as a strided view of the received rows) and 2 (a copy)."""
+    assert pools(6).run(_burst_round_tensors, batch) == [((True, 3), [2, 4])] * 6
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+@pytest.mark.parametrize("h,d", [(4, 8), (3, 5), (1, 3)])
+def test_burst_q_stat_rows_round_trip_aligned(dtype, h, d):
+    """QStat's rows give back Q and the fp32 (fp64) statistics bit for bit, whatever h and d, each row a multiple of
+    16 bytes (the kernels' strided Q aligned), the statistics on an element boundary of their own dtype, and no
+    padding at even h with d % 8 = 0 (what the byte formulas count)."""
+    from megatron_cp_plugin.algos.burst import QStat
+    from megatron_cp_plugin.kernels.local_attn import acc_dtype
+
+    acc = acc_dtype(dtype)
+    g = torch.Generator().manual_seed(h * 10 + d)
+    q = torch.randn(2, 7, h, d, generator=g).to(dtype)
+    stat = torch.randn(2, 7, 2, h, generator=g, dtype=torch.float64).to(acc) * 1e3
+    pk = QStat(q, acc)
+    rows = pk.pack(q, stat)
+    assert rows.dtype == dtype and (rows.shape[-1] * rows.element_size()) % 16 == 0
+    if h % 2 == 0 and d % 8 == 0:
+        assert rows.shape[-1] * rows.element_size() == h * d * q.element_size() + 2 * h * stat.element_size()
+    q2, delta, lse = pk.unpack(rows[:, 2:6])
+    assert torch.equal(q2, q[:, 2:6]) and q2.stride(-1) == 1
+    assert torch.equal(delta, stat[:, 2:6, 0].transpose(1, 2)) and torch.equal(lse, stat[:, 2:6, 1].transpose(1, 2))
+    assert delta.dtype == acc and lse.is_contiguous()
+
+
 def _ring_rounds_batch_one(rank, world, algo, dtype, round_tokens):
     """_ring_rounds at micro-batch 1, where a round's partials travel as views of the kernels' outputs."""
     global BATCH

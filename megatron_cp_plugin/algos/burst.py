@@ -11,7 +11,8 @@ accumulator one step behind Q_j (it is ready only after the compute), which is t
 Causal balance: the paper's Table 1 has none; here shards are zigzag, so every step is half a block
 (`_zigzag.py`) on every rank; packed sequences run the varlen calls of `_zigzag.zigzag_blocks`.
 Short shards run in rounds (`ring.round_size`): the forward's as the ring's; in the backward each rank sends its
-(Q, dO, D, lse) straight to the next g ranks and each dQ partial straight to its owner, at most three calls a round;
+(Q, dO, D, lse) straight to the next g ranks, two messages a zigzag chunk (Q with D and lse token by token, `QStat`;
+dO), and each dQ partial straight to its owner, at most three calls a round;
 a dQ partial there is one kernel call's result, summed at its owner in fp32, and travels in the input dtype: a GPU's
 fused kernels return it rounded to that dtype inside (cuDNN's convert_dq_to_16bits), so fp32 on the wire would carry
 the same values in twice the bytes, plus a cast copy a call (the math backend's fp32 is rounded to it once, as the
@@ -20,7 +21,8 @@ ring's dK, dV partials are: docs/design.md, wire precision).
 Bytes sent per rank and call (e = element size, n_q = b * s_local * h * d, acc = 4, or 8 for fp64):
   forward  (P - 1) * 2 * n_kv * e                                   (K, V; as ring)
   backward (P - 1) * (n_q * (2 * e + acc) + 2 * b * h * s_local * acc)   (Q, dO; dQ; D, lse)
-           (P - 1) * (n_q * 3 * e + 2 * b * h * s_local * acc)          in rounds (g > 1: dQ in the input dtype)
+           (P - 1) * (n_q * 3 * e + 2 * b * h * s_local * acc)          in rounds (g > 1: dQ in the input dtype;
+                                                                     QStat's rows padded to 16 bytes at odd h)
 For MHA in fp32 that is 3/4 of ring's backward plus the small D, lse (2/3 in bf16, where both send their
 gradient accumulators in fp32; 3/4 in rounds, where both send their partials in bf16). With GQA (h_kv < h) ring
 sends less: its K, V are h/h_kv times smaller than Q.
@@ -37,11 +39,39 @@ from ._zigzag import ALL, chunk_run, zigzag_blocks
 from .ring import RoundPartials, n_before, post_round, ring_forward, round_distances, round_size
 
 
-def _row_run(part: torch.Tensor, rows: slice) -> torch.Tensor:
-    """Rows `rows` of stacked per-row statistics [m, 2, b, h, n] ((D, lse) of m ranks' chunks) as one run [2, b, h,
-    m n]: one copy for both (each [b, h, m n] contiguous, as the kernels take lse)."""
-    x = part[rows]
-    return x.permute(1, 2, 3, 0, 4).reshape(*x.shape[1:4], -1)
+class QStat:
+    """Q and its statistics (D, lse) token by token, one message a zigzag chunk: rows [b, s, W] in q's dtype, Q's
+    h d entries, then D and lse of its h heads (acc, reinterpreted as q's dtype: the bits travel unchanged), each row
+    padded to 16 bytes so that the kernels' strided Q stays aligned (no padding at even h with d % 8 = 0, the
+    shapes a GPU runs). Q and the fp32 statistics travel as one message where they were two; dO stays apart, since
+    the cuDNN backward copies a strided dO (`local_attn._cudnn_bwd`) but reads a strided Q in place. At 128k over
+    P = 64 (rounds of 16 peers) burst posts 1008 messages a fwd+bwd where it posted 1260, as many as ring."""
+
+    def __init__(self, q: torch.Tensor, acc: torch.dtype):
+        self.h, self.d, self.dtype, self.acc = q.shape[2], q.shape[3], q.dtype, acc
+        r = max(1, torch.tensor([], dtype=acc).element_size() // q.element_size())   # q elements in one acc
+        self.off = -(-self.h * self.d // r) * r             # where the statistics start: an acc boundary
+        self.n_stat = 2 * self.h * r
+        align = max(r, 16 // q.element_size())
+        self.width = -(-(self.off + self.n_stat) // align) * align
+
+    def pack(self, q: torch.Tensor, stat: torch.Tensor) -> torch.Tensor:
+        """q [b, s, h, d] and stat [b, s, 2, h] (acc) -> [b, s, W]: one copy of Q, one of the statistics."""
+        out = q.new_empty(tuple(q.shape[:2]) + (self.width,))
+        out[..., :self.h * self.d].copy_(q.flatten(2))
+        out[..., self.off:self.off + self.n_stat].copy_(stat.contiguous().flatten(2).view(self.dtype))
+        if self.width > self.off + self.n_stat or self.off > self.h * self.d:     # padding: sent, never read
+            out[..., self.h * self.d:self.off].zero_()
+            out[..., self.off + self.n_stat:].zero_()
+        return out
+
+    def unpack(self, run: torch.Tensor):
+        """run [b, n, W] -> Q [b, n, h, d] (a view, row stride W), D and lse [b, h, n] (one copy for both,
+        contiguous as the kernels take lse)."""
+        q = run[..., :self.h * self.d].unflatten(-1, (self.h, self.d))
+        stat = run[..., self.off:self.off + self.n_stat].view(self.acc).unflatten(-1, (2, self.h))   # [b, n, 2, h]
+        stat = stat.permute(2, 0, 3, 1).contiguous()
+        return q, stat[0], stat[1]
 
 
 def _round_calls(r: int, dists: list[int], causal: bool) -> list[tuple[int, slice, bool]]:
@@ -67,11 +97,11 @@ def _backward_rounds(group, do, q, k, v, o, lse, *, causal, scale, backend, stat
     acc = acc_dtype(q.dtype)
     half = s // 2
     cuts = [slice(0, half), slice(half, None)] if causal else [ALL]
-    # line 2: D_i = rowsum(dO_i o O_i), stacked with lse: the statistics of a chunk are one message
-    stat = torch.stack([attention_delta(do, o), lse.to(acc)])
-    # lines 3-6: (Q, dO, (D, lse)) of each chunk, sent as they are (one run of rows per chunk in a round's buffers);
-    # at 128k over P = 64 D and lse as two messages were 16 more copies a backward and g more messages a round
-    mine = [t.contiguous() for c in cuts for t in (q[:, c], do[:, c], stat[:, :, :, c])]
+    # line 2: D_i = rowsum(dO_i o O_i), [b, s, 2, h] with lse, to travel with Q token by token (QStat)
+    qstat = QStat(q, acc)
+    q_stat = qstat.pack(q, torch.stack([attention_delta(do, o), lse.to(acc)], 1).permute(0, 3, 1, 2))
+    # lines 3-6: ((Q, D, lse), dO) of each chunk, two messages (one run of rows per chunk in a round's buffers)
+    mine = [t.contiguous() for c in cuts for t in (q_stat[:, c], do[:, c])]
     rounds = round_distances(P, g)
 
     nxt = post_round(ex_q, rounds[0], mine)
@@ -86,11 +116,11 @@ def _backward_rounds(group, do, q, k, v, o, lse, *, causal, scale, backend, stat
         # the calls write disjoint rows; only the first query chunks of the ranks before r meet none of r's keys
         part = RoundPartials(len(dists), 1, q.shape, cuts, q.dtype)
         for c, sel, all_keys in _round_calls(r, dists, causal):
-            q_j, do_j, stat_j = bufs[3 * c:3 * c + 3]
+            q_stat_j, do_j = bufs[2 * c:2 * c + 2]
             ks = ALL if all_keys else cuts[0]
-            delta_j, lse_j = _row_run(stat_j, sel)
+            q_j, delta_j, lse_j = qstat.unpack(chunk_run(q_stat_j, sel))
             # lines 8-14: P = exp(S - lse_j) against this rank's K, V; dV, dK here, dQ_j into its partial
-            dq_b, dk_b, dv_b = block_bwd(chunk_run(do_j, sel), chunk_run(q_j, sel), k[:, ks], v[:, ks], None, lse_j,
+            dq_b, dk_b, dv_b = block_bwd(chunk_run(do_j, sel), q_j, k[:, ks], v[:, ks], None, lse_j,
                                          delta=delta_j, scale=scale, backend=backend)
             accumulate_(dk[:, ks], dk_b)
             accumulate_(dv[:, ks], dv_b)
