@@ -79,6 +79,9 @@ def test_rank_subcommand_reports_every_algorithm(tmp_path, capsys, monkeypatch):
     for r in rows:
         assert r["fwd_ms"] > 0 and r["bwd_ms"] > 0 and r["x_ideal"] > 0 and 0 <= r["rank"] < 4
         assert r["ideal_drift"] > 0                           # the ideal re-timed after the rows of its length
+        assert (r["passes"], r["spread"], r["iters"]) == (1, 0, 1)      # --budget-s 0: one pass (the test below)
+        ring = next(x for x in rows if x["algo"] == "ring" and x["h/h_kv"] == r["h/h_kv"])
+        assert r["x_ring"] == pytest.approx(r["fwd_bwd_ms"] / ring["fwd_bwd_ms"]) and ring["x_ring"] == 1
         # the launches of the local work: every (Q, K) block pair of the rank is one attention call, fwd and bwd;
         # attention2d-no on the square grid gathers Q, K, V chunks that interleave into one triangle (its one call);
         # attention2d-o on 2 x 2 batches its second forward pass's 2 chunks: one call or two, by their masks
@@ -92,6 +95,33 @@ def test_rank_subcommand_reports_every_algorithm(tmp_path, capsys, monkeypatch):
         assert r["ops"] > r["attn_calls"] and r["attn_calls"] in calls, (r["algo"], r["grid"])
         assert r["copies"] > 0 and r["copy_MB"] > 0
     assert "rank" in res["command"] and (tmp_path / "rank.md").read_text().count("\n| ") == len(rows) + 1
+
+
+def test_rank_subcommand_times_a_cells_rows_there_and_back(tmp_path, monkeypatch):
+    """--passes 3: every row of a (length, heads, P) cell is timed in each pass, the passes in alternate orders (A B C,
+    C B A, A B C), so that a device drifting during the cell moves every row alike; each row pools its passes'
+    calls. A row whose warm-up call outlasts its share of --budget-s runs one pass (at 1M a call takes seconds: a
+    second pass would double the run): with --budget-s 0, every row. (The slowest-rank search is stubbed.)"""
+    from megatron_cp_plugin.bench import rank_replay
+
+    seen, real = [], rank_replay.RankReplay
+
+    def replay(algo, P, rank, *a, grid=None, **kw):
+        seen.append((algo, grid))
+        return real(algo, P, rank, *a, grid=grid, **kw)
+    monkeypatch.setattr(rank_replay, "RankReplay", replay)
+    monkeypatch.setattr(rank_replay, "slowest_rank", lambda *a, **kw: 1)
+    cell = [("ring", None), ("burst", None), ("attention2d-no", (2, 2)), ("attention2d-no", (4, 1))]
+    for budget, order, passes in (("100", cell + cell[::-1] + cell, 3), ("0", cell, 1)):
+        seen.clear()
+        assert bench_main(["rank", "--seq-len", "32", "--cp", "4", "--heads", "2", "--kv-heads", "2", "--head-dim",
+                           "8", "--iters", "3", "--passes", "3", "--budget-s", budget, "--algos", "ring", "burst",
+                           "attention2d-no", "--out", str(tmp_path / "r")]) == 0
+        assert seen == order
+        rows = json.loads((tmp_path / "r.json").read_text())["rows"]
+        assert [(r["passes"], r["iters"]) for r in rows] == [(passes, passes)] * 4
+    with pytest.raises(SystemExit):
+        bench_main(["rank", "--passes", "0"])
 
 
 def test_rank_subcommand_rejects_bad_arguments():

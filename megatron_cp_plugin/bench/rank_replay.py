@@ -15,8 +15,12 @@ with a real gloo run's receives gives that run's outputs and gradients bit for b
 Problems: causal, b = 1, bf16 (--dtype), every --seq-len with every --cp whose local length is at most
 --max-local (default: 128k at P = 4, 16, 64 and 1M at P = 16, 64). The slowest rank: every rank index is run once
 at the first length of each (algo, grid, P, heads) and the slowest is timed (--rank N fixes it). Per row:
-  fwd_ms, bwd_ms     that rank's forward and backward (CUDA events; median of up to --iters, as many as fit in
-                     --budget-s after one warm-up call)
+  fwd_ms, bwd_ms     that rank's forward and backward (CUDA events; the median of up to --iters calls, as many as
+                     fit in --budget-s, over --passes passes, each after one warm-up call; a (length, heads, P)
+                     cell's rows are timed pass by pass, each pass in the reverse order of the one before; a row
+                     whose warm-up call outlasts its share of --budget-s, one pass)
+  spread             the row's slowest pass median over its fastest, minus one
+  x_ring             fwd_bwd_ms over ring's in the same cell (issue 34's "within 1.05x of ring's time")
   x_ideal            fwd_bwd_ms over the ideal: one-device causal attention fwd+bwd over the whole sequence,
                      timed in this run, / P; above --ideal-max-seq, the FLOPs / P at the rate of the longest
                      whole sequence timed (ideal_from says which)
@@ -208,12 +212,34 @@ def timed(replay: RankReplay) -> tuple[float, float]:
     return (t[1] - t[0]) * 1e3, (t[2] - t[1]) * 1e3
 
 
-def measure(replay: RankReplay, iters: int, budget_s: float, first_ms: float) -> tuple[float, float, int]:
-    """Median (fwd ms, bwd ms) over n calls; n = what fits in budget_s at first_ms per call (the preparing
-    call's time, which warmed the kernels' plans and the allocator), 1 to iters."""
+def measure(replay: RankReplay, iters: int, budget_s: float, first_ms: float) -> list[tuple[float, float]]:
+    """(fwd ms, bwd ms) of n calls; n = what fits in budget_s at first_ms per call (the preparing call's time,
+    which warmed the kernels' plans and the allocator), 1 to iters."""
     n = max(1, min(iters, int(budget_s * 1e3 / max(first_ms, 1e-3))))
-    runs = [timed(replay) for _ in range(n)]
-    return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs), n
+    return [timed(replay) for _ in range(n)]
+
+
+def _times(row: dict, passes: list, ideal, ideal_from: str, model) -> None:
+    """A row's times from its passes' calls: the medians over all of them; `spread`, the slowest pass's median
+    fwd+bwd over the fastest's, minus one (how far the device moved between passes); x_ideal, x_model (`model()`:
+    the cost model's x ideal) when there is an ideal."""
+    calls = [c for p in passes for c in p]
+    f, b = statistics.median(c[0] for c in calls), statistics.median(c[1] for c in calls)
+    per_pass = [statistics.median(sum(c) for c in p) for p in passes]
+    row.update({"fwd_ms": f, "bwd_ms": b, "fwd_bwd_ms": f + b, "iters": len(calls), "passes": len(passes),
+                "spread": max(per_pass) / min(per_pass) - 1})
+    if ideal:
+        row.update({"ideal_ms": ideal, "x_ideal": (f + b) / ideal, "x_model": (f + b) / ideal / model(),
+                    "ideal_from": ideal_from})
+
+
+def _x_ring(cell: list) -> None:
+    """x_ring (after x_model): each timed row's fwd+bwd over ring's in the same cell (same S, h/h_kv and P),
+    issue 34's "within 1.05x of ring's time"."""
+    ring = next((r for r in cell if r["algo"] == "ring" and "fwd_bwd_ms" in r), None)
+    for r in cell:
+        if ring is not None and "fwd_bwd_ms" in r:
+            r["x_ring"] = r["fwd_bwd_ms"] / ring["fwd_bwd_ms"]
 
 
 def single_device_ms(S, h, hk, d, dev, dtype, iters, budget_s) -> float:
@@ -366,6 +392,8 @@ def _check_args(p, a):
     for hk in a.kv_heads:
         if max(a.heads) % hk:
             p.error(f"--kv-heads {hk} must divide --heads {a.heads[0]}")
+    if a.passes < 1 or a.iters < 1:
+        p.error(f"--passes and --iters must be at least 1, got {a.passes} and {a.iters}")
     if a.rank is not None and not all(0 <= a.rank < P for P in a.cp):
         p.error(f"--rank must be in [0, P) for every --cp, got {a.rank}")
     bad = [x for x in a.algos if x not in ALGOS]
@@ -389,7 +417,11 @@ def main(argv=None):
     p.add_argument("--wire", choices=ReplayDist.WIRES, default="stream", help="where the replayed receives run on a "
                    "GPU: stream (their own, overlapped as the algorithm posts and waits, as NCCL's) or inline (the "
                    "rank's stream, serial: the replay before the eleventh session)")
-    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--iters", type=int, default=10, help="timed calls a row at most, over all its passes")
+    p.add_argument("--passes", type=int, default=2, help="time a (length, heads, P) cell's rows this many times, "
+                   "each pass in the reverse order of the one before, --iters and --budget-s shared among them; a "
+                   "row reports the median over every pass's calls and their spread. A row whose warm-up call "
+                   "outlasts its share of --budget-s runs one pass (1M's rows)")
     p.add_argument("--budget-s", type=float, default=3.0, help="seconds of timed calls per row (at least one)")
     p.add_argument("--ideal-max-seq", type=int, default=262144,
                    help="longest whole sequence timed on one device for the ideal; longer ones use its rate")
@@ -441,46 +473,62 @@ def main(argv=None):
                 ideal = attention_flop(1, S, h, d, True, True) / rate / P if rate else None
                 why_shards = not_fitting(shard_bytes(S, P, h, hk, d, dtype.itemsize), dev)
                 shards = None if why_shards else _shards(S, P, h, hk, d, dev, dtype)
+                cell = []                                                 # this P's rows that run
                 for algo, grid in _configs(a.algos, P, a.grids):
-                    key = (algo, grid, P, hk)
                     row = {"S": S, "h/h_kv": f"{h}/{hk}", "P": P, "algo": algo,
                            "grid": f"{grid[0]}x{grid[1]}" if grid else "-"}
-                    if a.deadline_s is not None and time.perf_counter() - start > a.deadline_s:
-                        row["not_run"] = "not run: --deadline-s"
-                    else:
-                        row["not_run"] = why_shards or not_fitting(
-                            replay_need(algo, S, P, h, hk, d, dtype.itemsize, grid), dev)
+                    row["not_run"] = why_shards or not_fitting(
+                        replay_need(algo, S, P, h, hk, d, dtype.itemsize, grid), dev)
+                    rows.append(row)
                     if row["not_run"]:
-                        rows.append(row)
                         print(f"rank_replay: S={S} h/h_kv={h}/{hk} P={P} {algo} {row['grid']}: {row['not_run']}",
                               flush=True)
                         continue
                     del row["not_run"]
-                    if key not in picked:
-                        picked[key] = [a.rank if a.rank is not None else slowest_rank(algo, P, grid, shards, a.wire),
-                                       None]
-                    rep = RankReplay(algo, P, picked[key][0], *shards, grid=grid, wire=a.wire)
-                    t0 = time.perf_counter()
-                    rep()                                                 # prepares the receives
-                    _sync(dev)
-                    first_ms = (time.perf_counter() - t0) * 1e3
-                    if picked[key][1] is None:                            # the same code path at every length
-                        picked[key][1] = count_launches(rep)
-                    f, b, n = measure(rep, a.iters, a.budget_s, first_ms)          # copies: of its last call
-                    row.update({"rank": picked[key][0], "fwd_ms": f, "bwd_ms": b, "fwd_bwd_ms": f + b})
-                    if ideal:
-                        x_model = (f + b) / ideal / model_x_ideal(algo, S, P, h, hk, d, grid, dtype.itemsize)
-                        row.update({"ideal_ms": ideal, "x_ideal": (f + b) / ideal, "x_model": x_model,
-                                    "ideal_from": ideal_from})
-                    row.update({**picked[key][1], "copies": rep.d.copies, "copy_MB": rep.d.copied_bytes / 2**20,
-                                "iters": n})
-                    rows.append(row)
-                    del rep                       # its buffers and prepared receives go before the next row's check
-                    if dev.type == "cuda":
-                        torch.cuda.empty_cache()
-                    print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
-                          flush=True)
-                    write_report(rows, a.out, header, plot={"kind": "rank"}, draw=False)  # survives a kill
+                    cell.append((row, algo, grid))
+                # The cell's rows in `--passes` passes, each in the reverse order of the one before (A B C, C B A):
+                # a device whose clock drifts during the cell (warm-up, a 700 W power cap) then moves every row
+                # alike, so that x_ring, a row over ring's in the same cell, compares like with like. One pass
+                # each, rows measured one after another, had ring and ring-te (one code in rounds) 12 % apart at
+                # 128k P = 16 (62.4 and 69.7 ms, one H100, twenty-second session).
+                runs, long_rows = {}, set()
+                for n_pass in range(a.passes):
+                    for row, algo, grid in (cell if n_pass % 2 == 0 else cell[::-1]):
+                        if a.deadline_s is not None and time.perf_counter() - start > a.deadline_s:
+                            if not n_pass:                                # rows never timed; later passes: kept
+                                for r, *_ in cell:
+                                    if id(r) not in runs:
+                                        r["not_run"] = "not run: --deadline-s"
+                            break
+                        if n_pass and id(row) in long_rows:
+                            continue
+                        key = (algo, grid, P, hk)
+                        if key not in picked:
+                            picked[key] = [a.rank if a.rank is not None else
+                                           slowest_rank(algo, P, grid, shards, a.wire), None]
+                        rep = RankReplay(algo, P, picked[key][0], *shards, grid=grid, wire=a.wire)
+                        t0 = time.perf_counter()
+                        rep()                                             # prepares the receives
+                        _sync(dev)
+                        first_ms = (time.perf_counter() - t0) * 1e3
+                        if picked[key][1] is None:                        # the same code path at every length
+                            picked[key][1] = count_launches(rep)
+                        if first_ms > a.budget_s * 1e3 / a.passes:
+                            long_rows.add(id(row))                        # one pass: see --passes
+                        runs.setdefault(id(row), []).append(
+                            measure(rep, -(-a.iters // a.passes), a.budget_s / a.passes, first_ms))
+                        row["rank"] = picked[key][0]
+                        _times(row, runs[id(row)], ideal, ideal_from,
+                               lambda: model_x_ideal(algo, S, P, h, hk, d, grid, dtype.itemsize))
+                        _x_ring([r for r, *_ in cell])
+                        row.update({**picked[key][1], "copies": rep.d.copies,                # of its last call
+                                    "copy_MB": rep.d.copied_bytes / 2**20})
+                        del rep                   # its buffers and prepared receives go before the next row's
+                        if dev.type == "cuda":
+                            torch.cuda.empty_cache()
+                        print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+                              flush=True)
+                        write_report(rows, a.out, header, plot={"kind": "rank"}, draw=False)  # survives a kill
                 del shards
             # The ideal again after this length's rows (unless out of time): long rows run on a device that has
             # warmed up and may sit at its power cap (an H100 at 700 W: SM clock 1350-1590 MHz against 1980,
