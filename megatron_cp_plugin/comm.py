@@ -134,6 +134,12 @@ def wire_bytes(hops: int, elem: int, acc: int) -> int:
     return elem if hops <= 1 else acc
 
 
+def wire_dtype(hops: int, dtype: torch.dtype, acc: torch.dtype) -> torch.dtype:
+    """`wire_bytes` as a dtype: what a partial sum made of the input dtype's kernel results travels in round a ring of
+    `hops` hops (Attention2D-O's column ring; ring's dK, dV and burst's dQ accumulators at P = 2, one hop)."""
+    return dtype if hops <= 1 else acc
+
+
 def attention2d_bytes(*, seq_len: int, world: int, rows: int, cols: int, b: int, h: int, h_kv: int, d: int,
                       elem: int = 2, overlap: bool = False, row_major: bool = False,
                       rank: int | None = None, acc: int = 4) -> tuple[int, int]:

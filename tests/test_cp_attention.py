@@ -703,13 +703,16 @@ def test_attention2d_o_runs_no_on_short_shards(pools, monkeypatch, world):
 
 
 @pytest.mark.parametrize("algo", ["ring", "burst", "ring-te"])
-@pytest.mark.parametrize("world", (1, 3, 4))
+@pytest.mark.parametrize("world", (1, 2, 3, 4))
 def test_byte_counters_equal_formulas(pools, world, algo):
+    """Bytes each rank sends, fp32 and bf16, MHA and GQA. The gradient partials travel in the input dtype in rounds
+    (P = 4 here) and at P = 2, where the neighbour ring's accumulators make one hop (comm.wire_dtype); so at P = 2
+    ring sends ring-te's bytes. Red with the accumulators in fp32 at P = 2."""
     for dtype, (h, hk) in itertools.product((torch.float32, torch.bfloat16), HEADS):
         e, acc, b, s_l, d = torch.tensor([], dtype=dtype).element_size(), 4, BATCH, 2 * 3, 8
         n_q, n_kv = b * s_l * h * d, b * s_l * hk * d
         fwd = (world - 1) * 2 * n_kv * e
-        part = e if ring.round_size(world, s_l) > 1 else acc   # rounds (P = 4): dK, dV / dQ partials in the input dtype
+        part = e if ring.round_size(world, s_l) > 1 or world == 2 else acc
         bwd = {"ring": (world - 1) * 2 * n_kv * (e + part), "ring-te": (world - 1) * 2 * n_kv * 2 * e,
                "burst": (world - 1) * (n_q * (2 * e + part) + 2 * b * h * s_l * acc)}[algo]
         assert pools(world).run(_bytes, algo, dtype, h, hk) == [(fwd, bwd)] * world, (dtype, h, hk)
@@ -745,6 +748,18 @@ def test_collective_byte_counters_equal_cost_model(pools, world, algo):
             n_kv = BATCH * s_l * hk * d
             assert want == ((world - 1) * 2 * n_kv * e, (world - 1) * 4 * n_kv * e)
         assert pools(world).run(_bytes, algo, dtype, h, hk) == [want] * world, (dtype, h, hk)
+
+
+def test_ulysses_ring_of_two_groups_sends_one_hop_in_the_input_dtype(pools):
+    """P = 4 with 2 or 6 q heads: ulysses-ring's default grid is 2 x 2, so its ring across the two groups makes one
+    hop and its dK, dV accumulators travel in the input dtype (comm.wire_dtype), as cost.comm_bytes counts; fp32 and
+    bf16, MHA and GQA. Red with them in fp32 (bf16's backward bytes)."""
+    from megatron_cp_plugin.cost import Problem, comm_bytes
+
+    for dtype, (h, hk) in itertools.product((torch.float32, torch.bfloat16), ((2, 2), (6, 2))):
+        e = torch.tensor([], dtype=dtype).element_size()
+        want = comm_bytes("ulysses-ring", Problem(4 * 6, 4, h, hk, head_dim=8, batch=BATCH, dtype_bytes=e))
+        assert pools(4).run(_bytes, "ulysses-ring", dtype, h, hk) == [want] * 4, (dtype, h, hk)
 
 
 def test_attention2d_bytes_fall_from_4_to_9_ranks(pools):

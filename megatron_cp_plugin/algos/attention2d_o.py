@@ -45,18 +45,13 @@ from __future__ import annotations
 import torch
 
 from .. import comm
-from ..comm import CommStats, CPGrid, Ring, wire_bytes
+from ..comm import CommStats, CPGrid, Ring, wire_dtype
 from ..kernels.local_attn import (acc_dtype, attention_delta, block_bwd, block_bwd_into, block_fwd, block_fwd_into,
                                   surrogate_out)
 from ..kernels.merge import accumulate_, merge_, merge_many_
 from ._function import CPAttention
 from . import attention2d as a2d_no
 from .attention2d import kv_to_row_major, pair_mask
-
-
-def _wire(q, acc, hops: int) -> torch.dtype:
-    """The dtype a partial sum travels in round a ring of `hops` hops (comm.wire_bytes)."""
-    return q.dtype if wire_bytes(hops, 2, 4) == 2 else acc
 
 
 def _rings(grid: CPGrid, phase: str, stats):
@@ -263,7 +258,7 @@ def _backward(grid: CPGrid, do, q, kv, o, lse, *, causal, scale, backend, stats=
                 if dkv_in is not None:
                     dkv_ring.wait()
                     dkv_part[pos[kv_row]].add_(dkv_in[0])
-                dkv_in = dkv_ring.send_recv((dkv_part[pos[kv_row]].to(_wire(q, acc, R - 1)),))
+                dkv_in = dkv_ring.send_recv((dkv_part[pos[kv_row]].to(wire_dtype(R - 1, q.dtype, acc)),))
             if t == 0 and u + 1 < R:                 # the next hop's chunk (grid row i - u - 1) has arrived
                 kv_ring.wait()
                 kv_chunks[(kv_row - 1) % R] = kv_next[0]

@@ -23,6 +23,7 @@ Bytes sent per rank and call (e = element size, n_q = b * s_local * h * d, acc =
   backward (P - 1) * (n_q * (2 * e + acc) + 2 * b * h * s_local * acc)   (Q, dO; dQ; D, lse)
            (P - 1) * (n_q * 3 * e + 2 * b * h * s_local * acc)          in rounds (g > 1: dQ in the input dtype;
                                                                      QStat's rows padded to 16 bytes at odd h)
+                                                                     and at P = 2 (one hop: dQ in the input dtype)
 For MHA in fp32 that is 3/4 of ring's backward plus the small D, lse (2/3 in bf16, where both send their
 gradient accumulators in fp32; 3/4 in rounds, where both send their partials in bf16). With GQA (h_kv < h) ring
 sends less: its K, V are h/h_kv times smaller than Q.
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from ..comm import CommStats, Exchange, Ring, group_size
+from ..comm import CommStats, Exchange, Ring, group_size, wire_dtype
 from ..kernels.local_attn import acc_dtype, attention_delta, block_bwd, surrogate_out
 from ..kernels.merge import accumulate_, row_sum
 from ._function import CPAttention, in_zigzag_order, saving_inputs
@@ -149,6 +150,10 @@ def _backward(group, do, q, k, v, o, lse, *, causal, scale, backend, stats=None,
     delta = attention_delta(do, o)
     blk = (q, do, delta, lse)                                   # line 3: (Q, dO, D, lse) into the ring
     dq_in = None                                                # travelling dQ of the block in hand
+    # The travelling dQ is summed into at every hop, so fp32; at P = 2 it makes one hop and, unpacked, holds one
+    # kernel call's dQ (one block a step), so it travels in the input dtype (the wire-precision policy, rule 3's
+    # exception: on a GPU the values the kernel returned). Packed, a step's calls may share query rows: fp32.
+    wire = wire_dtype(P - 1, q.dtype, acc) if packing is None else acc
     for step in range(P):
         if step + 1 < P:                                        # lines 5-6 for the next step, posted early
             nxt = ring_q.send_recv(blk)
@@ -187,7 +192,7 @@ def _backward(group, do, q, k, v, o, lse, *, causal, scale, backend, stats=None,
         if step == 0:
             dq_own = dq_acc
         else:
-            dq_in = ring_dq.send_recv((dq_acc,))                # line 16 for dQ_j
+            dq_in = ring_dq.send_recv((dq_acc.to(wire),))       # line 16 for dQ_j
         if step + 1 < P:
             ring_q.wait()
             blk = nxt

@@ -13,9 +13,10 @@ its owner, travels in the input dtype (the one-hop rule; what a GPU's fused kern
 Bytes sent per rank and call (e = element size, n_kv = b * s_local * h_kv * d, acc = 4, or 8 for fp64):
   forward  (P - 1) * 2 * n_kv * e                       (K, V)
   backward (P - 1) * 2 * n_kv * (e + acc)               (K, V; dK, dV accumulated in fp32)
-           (P - 1) * 2 * n_kv * 2e                      in rounds (g > 1)
+           (P - 1) * 2 * n_kv * 2e                      in rounds (g > 1), and at P = 2
 The dK, dV accumulators are summed into at every hop, so they travel in fp32 (the wire-precision policy,
-docs/design.md); in rounds nothing is summed on the way, so they travel in the input dtype (RoundPartials).
+docs/design.md); in rounds nothing is summed on the way, and at P = 2 an accumulator makes one hop, so they travel in
+the input dtype (RoundPartials; `comm.wire_dtype`).
 `ring-te` is the same ring with TransformerEngine's p2p byte budget, the baseline users compare against: the
 travelling dK, dV in the input dtype, rounded at every hop, backward (P - 1) * 2 * n_kv * 2e.
 """
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from ..comm import CommStats, Exchange, Ring, group_size
+from ..comm import CommStats, Exchange, Ring, group_size, wire_dtype
 from ..kernels.local_attn import acc_dtype, block_bwd, block_fwd
 from ..kernels.merge import accumulate_, merge_
 from ._function import CPAttention, in_zigzag_order, saving_inputs
@@ -307,6 +308,11 @@ def _backward(group, do, q, k, v, o, lse, *, causal, scale, backend, stats=None,
     ring_kv, ring_dkv = Ring(group, "backward", stats), Ring(group, "backward", stats)
     P, r, s = ring_kv.world, ring_kv.rank, q.shape[1]
     acc = acc_dtype(q.dtype)
+    if wire is None and wire_dtype(P - 1, q.dtype, acc) == q.dtype:
+        # P = 2: an accumulator makes one hop, one call's dK, dV summed once at its owner, so it travels in the
+        # input dtype (the wire-precision policy): ring-te's bytes. On a GPU the same values (the kernels return
+        # them in that dtype, and the fp32 accumulator held nothing else)
+        wire = q.dtype
     dq = None
     kv = (k, v)
     dkv_in = None                                               # travelling dK, dV of the block in hand

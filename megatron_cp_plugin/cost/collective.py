@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 
+from ..comm import wire_bytes
 from .hardware import ADD_BYTES, MERGE_BYTES, overlapped, phase_link
 from .model import Prediction, Problem, _sizes, attention_flops
 
@@ -44,19 +45,20 @@ def ulysses_bytes(pb: Problem, u: int | None = None, rank: int | None = None) ->
     group gets k_j K, V heads (K = k_0 + .. + k_{u-1}): forward (u-1) b s d e 2 h / u + 2 b s d e (K - k_j) (Q; K, V
     to the members that read them; O back), backward (u-1) b s d e (2 h / u + 2 k_j) (dO; dQ, dK, dV back): both
     (u-1) b s d e (2 h / u + 2 k) where every k_j = k (h_kv / u, or 1 for replicated K, V heads). The ring
-    (P/u - 1) 2 n' e forward, (P/u - 1) 2 n' (e + a) backward, with n' = b u s k_j d the K, V a rank holds after
-    the all-to-all."""
+    (P/u - 1) 2 n' e forward, (P/u - 1) 2 n' (e + a) backward (a = e for a ring of two groups: one hop), with n' =
+    b u s k_j d the K, V a rank holds after the all-to-all."""
     s, _, _, _, e, acc = _sizes(pb)
     u = pb.world if u is None else u
     if not heads_allow(pb.heads, pb.kv_heads, u):
         return 0, 0
     k, b, d, g = _kv_counts(pb, u), pb.batch, pb.head_dim, pb.world // u
+    w = acc if pb.fp32_one_hop else wire_bytes(g - 1, e, acc)      # the ring's dK, dV: one hop (g = 2) in e
     unit, q = b * s * d * e, (u - 1) * b * s * d * e * 2 * pb.heads // u
 
     def member(j):
         n_kv = b * u * s * k[j] * d
         return (q + 2 * unit * (sum(k) - k[j]) + (g - 1) * 2 * n_kv * e,
-                q + (u - 1) * 2 * unit * k[j] + (g - 1) * 2 * n_kv * (e + acc))
+                q + (u - 1) * 2 * unit * k[j] + (g - 1) * 2 * n_kv * (e + w))
 
     if rank is not None:
         return member(rank % u)                 # groups of u consecutive ranks, members in rank order
@@ -134,7 +136,7 @@ def _heads_cost(algo: str, pb: Problem, hw, R: int, U: int, grid, rank: int | No
     merge = n_q * MERGE_BYTES / hw.mem_bw
     ring_f = overlapped([cf] + [cf + merge] * (R - 2), [link.t(2 * n_kv * e)] * (R - 1)) + cf + merge
     adds = (n_q + 2 * n_kv) * ADD_BYTES / hw.mem_bw
-    m_blk, m_acc = 2 * n_kv * e, 2 * n_kv * acc
+    m_blk, m_acc = 2 * n_kv * e, 2 * n_kv * (acc if pb.fp32_one_hop else wire_bytes(R - 1, e, acc))
     comm = [link.t(m_blk + (m_acc if i >= 2 else 0), 2 if i >= 2 else 1) for i in range(R - 1)]
     ring_b = overlapped([cb + adds] * (R - 1), comm) + max(cb + adds, link.t(m_acc) if R > 2 else 0.0) + link.t(m_acc)
     fwd = ta(q_chunk + kv_chunk) + ring_f + ta(q_chunk)

@@ -120,7 +120,7 @@ def ring(sh: Shape) -> Terms:
     """ring.py (and ring-te). saved: (q, k, v, o, lse), 0. forward: K, V in hand and in flight (4K: `nxt =
     ring.send_recv(kv)`), the fp32 o and merge_'s fp32 cast of o_blk (2Qa), o_blk (Q). backward: the fp32 dq (Qa),
     K, V in hand and in flight (4K), the fp32 dK, dV accumulators own, in hand and arriving (6Ka: dk_own,
-    dk_acc, dkv_in), blk.
+    dk_acc, dkv_in; at P = 2, one hop, the two travelling ones in the input dtype: 2Ka + 4K), blk.
     In rounds of g ranks (ring.round_size > 1; micro-batch 1, where the chunks sent and a call's keys are views):
     a round's K, V in hand and the next one's in flight (4gK); backward the fp32 dq, dk, dv (Qa + 2Ka), this round's
     partials and the last round's sent and arriving (6gK: in the input dtype, ring._backward_rounds), and around a
@@ -129,13 +129,15 @@ def ring(sh: Shape) -> Terms:
     if g > 1:
         return Terms(0, 2 * sh.Qa + 4 * g * sh.K + sh.Q,
                      4 * g * sh.K + sh.Qa + 2 * sh.Ka + 6 * g * sh.K + 2 * (sh.Q + 2 * g * sh.K) + sh.ws)
-    return Terms(0, 2 * sh.Qa + 4 * sh.K + sh.Q, sh.Qa + 4 * sh.K + 6 * sh.Ka + sh.blk)
+    travel = 4 * sh.K if sh.cp == 2 else 4 * sh.Ka
+    return Terms(0, 2 * sh.Qa + 4 * sh.K + sh.Q, sh.Qa + 4 * sh.K + 2 * sh.Ka + travel + sh.blk)
 
 
 def burst(sh: Shape) -> Terms:
     """burst.py: ring's forward (`ring_forward`). backward: D (L, `attention_delta`), (Q, dO, D, lse) in hand and in
     flight (P > 2: 4Q + 4L; P = 2: the one in flight, 2Q + 2L), the fp32 dQ accumulators own, in hand and
-    arriving (3Qa), dK, dV (2Ka), the surrogate O (Q, built through up to 3Qa of fp32 temporaries, or blk while a
+    arriving (3Qa; at P = 2, one hop, the one in hand also cast and the arriving one in the input dtype: 2Qa + 2Q),
+    dK, dV (2Ka), the surrogate O (Q, built through up to 3Qa of fp32 temporaries, or blk while a
     call runs) and the returned G. In rounds (ring.round_size > 1, micro-batch 1): below."""
     g = round_size(sh.cp, sh.tokens)
     if g > 1:
@@ -147,8 +149,9 @@ def burst(sh: Shape) -> Terms:
         return Terms(0, ring(sh).forward, 3 * sh.L + 4 * g * (sh.Q + sh.L) + sh.Qa + 2 * sh.Ka + 3 * g * sh.Q
                      + call + sh.G)
     travel = 4 * sh.Q + 4 * sh.L if sh.cp > 2 else 2 * sh.Q + 2 * sh.L
+    dq = 3 * sh.Qa if sh.cp > 2 else 2 * sh.Qa + 2 * sh.Q
     return Terms(0, ring(sh).forward,
-                 travel + sh.L + 3 * sh.Qa + 2 * sh.Ka + sh.Q + max(3 * sh.Qa, sh.blk) + sh.G)
+                 travel + sh.L + dq + 2 * sh.Ka + sh.Q + max(3 * sh.Qa, sh.blk) + sh.G)
 
 
 def allgather(sh: Shape) -> Terms:

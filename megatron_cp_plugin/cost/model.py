@@ -63,6 +63,10 @@ class Problem:
     """Attention2D places grid rows inside a node (CPGrid(..., gpus_per_node)) when C divides GPUs per node."""
     backward: bool = True
     """Training (forward + backward) or forward only (prefill): what choose_algo minimises."""
+    fp32_one_hop: bool = False
+    """The neighbour rings' gradient accumulators in fp32 even where they make one hop (P = 2; ulysses-ring's ring
+    of two groups): the code before the twenty-second session, which the measured sets of that time ran. False:
+    today's, where one hop travels in the input dtype (`comm.wire_dtype`)."""
 
     def __post_init__(self):
         for f in ("seq_len", "world", "heads", "head_dim", "batch"):
@@ -158,12 +162,13 @@ def ring_family_cost(algo: str, pb: Problem, hw: Hardware, rank: int | None = No
     cb = B / P / hw.bwd_tflops
     # In rounds (ring.round_size > 1: short shards) ring's dK, dV partials are summed once, at their owner, and travel
     # in the input dtype (ring.RoundPartials), and so do burst's dQ partials; the timing below is the neighbour ring's.
-    g_acc = e if round_size(P, pb.seq_len // P) > 1 else acc
-    if algo == "ring":                  # K, V and dK, dV (fp32; the input dtype in rounds)
+    # So at P = 2, where an accumulator makes one hop (comm.wire_dtype).
+    g_acc = e if round_size(P, pb.seq_len // P) > 1 or (P == 2 and not pb.fp32_one_hop) else acc
+    if algo == "ring":                  # K, V and dK, dV (fp32; the input dtype in rounds and at P = 2)
         m_blk, m_acc = 2 * n_kv * e, 2 * n_kv * g_acc
     elif algo == "ring-te":             # TransformerEngine's budget: dK, dV in the input dtype
         m_blk, m_acc = 2 * n_kv * e, 2 * n_kv * e
-    else:                               # burst: Q, dO, D, lse and dQ (fp32; the input dtype in rounds); K, V stay
+    else:                               # burst: Q, dO, D, lse and dQ (fp32; as ring's dK, dV); K, V stay
         m_blk, m_acc = 2 * n_q * e + 2 * n_r * acc, n_q * g_acc
     adds = (n_q + 2 * n_kv) * ADD_BYTES / hw.mem_bw     # both add a dQ and a dK, dV block per step
     comp = [cb + adds] * P
