@@ -4,7 +4,7 @@ belongs, no bar for a row that did not run), and `megatron-cp-bench plot` drawin
 
 Fixtures: tests/data/attention_128k.json is docs/results/attention_128k.json (2 x H200, S = 128k, with torch CP
 anchors and two anchors not run); the three-length attention and the rank rows are synthetic, keyed as
-cp_attention.py and rank_replay.py write them."""
+cp_attention.py and rank_cli.py write them."""
 from __future__ import annotations
 
 import json
@@ -53,7 +53,7 @@ def _attention_rows(lengths=(32768, 131072, 524288), P=4):
 
 
 def _rank_rows():
-    """As rank_replay.main writes them: per h/h_kv, N and P, every algorithm (Attention2D on two grids); at 1M
+    """As rank_cli.main writes them: per h/h_kv, N and P, every algorithm (Attention2D on two grids); at 1M
     the ideal comes from the rate at 256k; one row did not fit, one has no ideal."""
     rows = []
     for hk in (32, 8):

@@ -1,8 +1,8 @@
-"""`megatron-cp-bench rank` (bench/rank_replay.py): one rank's local work replayed in one process is that rank's
-real work. On a gloo group of 4, every rank runs every algorithm (ring, ring-te, burst, attention2d-no / -o on
-the square 2 x 2 and the rectangular 4 x 1 and 1 x 4 grids) with its receives recorded; replaying its receives in
-the same process, without torch.distributed, must give the same output and gradients bit for bit. The
-subcommand runs on CPU at a tiny size and reports launches for every algorithm."""
+"""`megatron-cp-bench rank` (bench/rank_cli.py, replaying with bench/rank_replay.py): one rank's local work
+replayed in one process is that rank's real work. On a gloo group of 4, every rank runs every algorithm (ring,
+ring-te, burst, attention2d-no / -o on the square 2 x 2 and the rectangular 4 x 1 and 1 x 4 grids) with its
+receives recorded; replaying its receives in the same process, without torch.distributed, must give the same output
+and gradients bit for bit. The subcommand runs on CPU at a tiny size and reports launches for every algorithm."""
 from __future__ import annotations
 
 import json
@@ -102,15 +102,15 @@ def test_rank_subcommand_times_a_cells_rows_there_and_back(tmp_path, monkeypatch
     C B A, A B C), so that a device drifting during the cell moves every row alike; each row pools its passes'
     calls. A row whose warm-up call outlasts its share of --budget-s runs one pass (at 1M a call takes seconds: a
     second pass would double the run): with --budget-s 0, every row. (The slowest-rank search is stubbed.)"""
-    from megatron_cp_plugin.bench import rank_replay
+    from megatron_cp_plugin.bench import rank_cli
 
-    seen, real = [], rank_replay.RankReplay
+    seen, real = [], rank_cli.RankReplay
 
     def replay(algo, P, rank, *a, grid=None, **kw):
         seen.append((algo, grid))
         return real(algo, P, rank, *a, grid=grid, **kw)
-    monkeypatch.setattr(rank_replay, "RankReplay", replay)
-    monkeypatch.setattr(rank_replay, "slowest_rank", lambda *a, **kw: 1)
+    monkeypatch.setattr(rank_cli, "RankReplay", replay)
+    monkeypatch.setattr(rank_cli, "slowest_rank", lambda *a, **kw: 1)
     cell = [("ring", None), ("burst", None), ("attention2d-no", (2, 2)), ("attention2d-no", (4, 1))]
     for budget, order, passes in (("100", cell + cell[::-1] + cell, 3), ("0", cell, 1)):
         seen.clear()

@@ -34,7 +34,7 @@ SUBCOMMANDS = {
     "peer-merge": ("megatron_cp_plugin.bench.peer_merge", "tree decoding's NVLink exchange + merge vs NCCL + merge"),
     "peer-sum": ("megatron_cp_plugin.bench.peer_sum", "the split MLPs' NVLink reduce vs NCCL all-reduce + adds"),
     "surrogate": ("megatron_cp_plugin.bench.surrogate", "the fused surrogate-O kernel vs its PyTorch reference"),
-    "rank": ("megatron_cp_plugin.bench.rank_replay", "one rank's local work per algorithm on one device, vs ideal"),
+    "rank": ("megatron_cp_plugin.bench.rank_cli", "one rank's local work per algorithm on one device, vs ideal"),
     "cost-model": ("megatron_cp_plugin.bench.cost_report", "the cost model's tables (--table), one problem (--seq)"),
     "plan": ("megatron_cp_plugin.bench.plan", "per-GPU memory of a config under ZeRO-1/2/3, pipeline stages, recompute"),
     "plot": (None, "draw the PNG of a result JSON again (bench/plots.py; --kind attention|rank for older JSONs)"),

@@ -4,7 +4,7 @@ results/x.json` draws it again later from the JSON. A result's "plot" entry name
   {"kind": "attention"}  `bench attention` (cp_attention.py): per algorithm, fwd+bwd time over one GPU's on the
                          whole sequence, the 1/P ideal marked. One sequence length: a horizontal bar per
                          algorithm, its value at the bar's end; several: a line per algorithm over S.
-  {"kind": "rank"}       `bench rank` (rank_replay.py): the slowest rank's fwd+bwd over the ideal (one device's
+  {"kind": "rank"}       `bench rank` (rank_cli.py): the slowest rank's fwd+bwd over the ideal (one device's
                          fwd+bwd / P) per algorithm and grid, grouped by P, 1.0 marked; one panel per (N, h/h_kv).
   [x, y, series]         older results and the other benches: one log-log line of y over x per series (plot_rows).
 
