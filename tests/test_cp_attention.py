@@ -240,7 +240,7 @@ def test_burst_q_stat_rows_round_trip_aligned(dtype, h, d):
     q = torch.randn(2, 7, h, d, generator=g).to(dtype)
     stat = torch.randn(2, 7, 2, h, generator=g, dtype=torch.float64).to(acc) * 1e3
     pk = QStat(q, acc)
-    rows = pk.pack(q, stat)
+    rows = pk.pack(q, stat[:, :, 0].transpose(1, 2), stat[:, :, 1].transpose(1, 2))
     assert rows.dtype == dtype and (rows.shape[-1] * rows.element_size()) % 16 == 0
     if h % 2 == 0 and d % 8 == 0:
         assert rows.shape[-1] * rows.element_size() == h * d * q.element_size() + 2 * h * stat.element_size()

@@ -56,11 +56,13 @@ class QStat:
         align = max(r, 16 // q.element_size())
         self.width = -(-(self.off + self.n_stat) // align) * align
 
-    def pack(self, q: torch.Tensor, stat: torch.Tensor) -> torch.Tensor:
-        """q [b, s, h, d] and stat [b, s, 2, h] (acc) -> [b, s, W]: one copy of Q, one of the statistics."""
+    def pack(self, q: torch.Tensor, delta: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+        """q [b, s, h, d], D and lse [b, h, s] (acc) -> [b, s, W]: one copy of each, written in place."""
         out = q.new_empty(tuple(q.shape[:2]) + (self.width,))
         out[..., :self.h * self.d].copy_(q.flatten(2))
-        out[..., self.off:self.off + self.n_stat].copy_(stat.contiguous().flatten(2).view(self.dtype))
+        stat = out[..., self.off:self.off + self.n_stat].view(self.acc).unflatten(-1, (2, self.h))    # [b, s, 2, h]
+        stat[:, :, 0].copy_(delta.transpose(1, 2))
+        stat[:, :, 1].copy_(lse.transpose(1, 2))
         if self.width > self.off + self.n_stat or self.off > self.h * self.d:     # padding: sent, never read
             out[..., self.h * self.d:self.off].zero_()
             out[..., self.off + self.n_stat:].zero_()
@@ -98,9 +100,9 @@ def _backward_rounds(group, do, q, k, v, o, lse, *, causal, scale, backend, stat
     acc = acc_dtype(q.dtype)
     half = s // 2
     cuts = [slice(0, half), slice(half, None)] if causal else [ALL]
-    # line 2: D_i = rowsum(dO_i o O_i), [b, s, 2, h] with lse, to travel with Q token by token (QStat)
+    # line 2: D_i = rowsum(dO_i o O_i), to travel with Q and lse token by token (QStat)
     qstat = QStat(q, acc)
-    q_stat = qstat.pack(q, torch.stack([attention_delta(do, o), lse.to(acc)], 1).permute(0, 3, 1, 2))
+    q_stat = qstat.pack(q, attention_delta(do, o), lse)
     # lines 3-6: ((Q, D, lse), dO) of each chunk, two messages (one run of rows per chunk in a round's buffers)
     mine = [t.contiguous() for c in cuts for t in (q_stat[:, c], do[:, c])]
     rounds = round_distances(P, g)
