@@ -452,6 +452,16 @@ def test_attention2d_no_bytes_against_ring_te(world):
     assert ratio <= REACHED[world] < before, (world, ratio, target)
 
 
+
+def test_attention2d_o_runs_the_no_schedule_on_shards_up_to_8k():
+    """Attention2D-O sends -NO's bytes on shards of 8k tokens or fewer (comm.OVERLAP_MIN_LOCAL: at 128k over 16 its
+    overlap cost more local work than it hid, one H100, twenty-third session) and its own multi-hop fp32 ring
+    accumulators above (16k tokens: 256k over 16, 1M over 64)."""
+    for n, P, own in ((131072, 16, False), (131072, 64, False), (262144, 16, True), (1048576, 64, True)):
+        pb = Problem(n, P, 32)
+        same = cm.comm_bytes("attention2d-o", pb) == cm.comm_bytes("attention2d-no", pb)
+        assert same != own, (n, P)
+
 # ------------------------------------------------------------------------------------- Megatron flags
 def _args(*flags, **shape):
     from megatron_cp_plugin.megatron.args import add_cp_args

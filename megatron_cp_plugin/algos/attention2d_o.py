@@ -23,7 +23,7 @@ call's partials merged in one launch (`merge_many_`); so do the backward's middl
 chunk, each chunk's dK, dV sent down the column as soon as it is final, Alg. 11). At P = 64 on 8 x 8 that was at
 most 22 forward calls instead of 64 and 28 backward instead of 64; shards that short now take the schedule below.
 
-Short shards (4k tokens a rank or fewer, `comm.overlap_pays`) run Attention2D-NO's schedule instead: a pair's
+Short shards (8k tokens a rank or fewer, `comm.overlap_pays`) run Attention2D-NO's schedule instead: a pair's
 compute there is shorter than a ring hop's host time, so the rings hide nothing and their launches bind the rank.
 
 Wire precision (docs/design.md): a dK, dV accumulator that is summed into on its way round a column ring of
@@ -287,7 +287,7 @@ def attention2d_o(q, k, v, *, group: CPGrid, causal: bool = True, softmax_scale:
                   comm_stats: CommStats | None = None, packing=None):
     """Attention2D-O on validated cyclic shards: q [b, s, h, d], k, v [b, s, h_kv, d] -> [b, s, h, d]
     (`packing`: the `_packing.Packing` of a packed sequence, each document cyclic on its own). Shards too short for
-    the overlap to pay (`comm.overlap_pays`: 4k tokens or fewer) run Attention2D-NO's schedule, same grid and
+    the overlap to pay (`comm.overlap_pays`: 8k tokens or fewer) run Attention2D-NO's schedule, same grid and
     result."""
     own = comm.overlap_pays(q.shape[0] * q.shape[1])
     fwd, bwd = (_forward, _backward) if own else (a2d_no._forward, a2d_no._backward)
