@@ -329,13 +329,14 @@ def test_best_grid_is_the_fastest_predicted_and_prefers_bytes_in_a_tie():
     secs = {r: cm.predict("attention2d-no", dataclasses.replace(pb, grid=(r, 4 // r)), nv).total_s for r in (1, 2, 4)}
     assert g == (4, 1) != mcp.choose_grid(4, h=32, h_kv=8) and secs[4] == min(secs.values())
     assert cm.best_grid("attention2d-no", dataclasses.replace(pb, grid=(2, 2)), nv) == (2, 2)   # given: kept
-    # Nearly compute-bound (P = 16 on 8-GPU IB nodes, 128k, MHA): 4 x 4, 8 x 2 and 16 x 1 within 2 % of each other
-    # (measured compute factors 1.009 for 4 x 4, 1.012 for 8 x 2 on the H200 of 2026-11-26); within
-    # cost.model.GRID_TIME_TIE the fewest bytes win (4 x 4), not the 8 x 2 or 16 x 1 the model rates ~1 % faster.
+    # Nearly compute-bound (P = 16 on 8-GPU IB nodes, 128k, MHA): 4 x 4 and 16 x 1 within 2 % of each other, 8 x 2
+    # within cost.model.GRID_TIME_TIE (measured compute factors 1.031 for 4 x 4, 1.069 for 8 x 2 on the H100 of
+    # 2026-11-28); within the tie the fewest bytes win (4 x 4), not the 16 x 1 the model rates ~1 % faster.
     pb = Problem(131072, 16, 32)
     preds = {r: cm.predict("attention2d-no", dataclasses.replace(pb, grid=(r, 16 // r)), ib) for r in (1, 2, 4, 8, 16)}
     fastest = min(p.total_s for p in preds.values())
-    assert all(preds[r].total_s < 1.02 * fastest for r in (4, 8, 16)) and preds[1].total_s > 1.05 * fastest
+    assert all(preds[r].total_s < 1.02 * fastest for r in (4, 16)) and preds[1].total_s > 1.05 * fastest
+    assert preds[8].total_s < (1 + cm.model.GRID_TIME_TIE) * fastest
     assert preds[4].total_s > fastest
     assert cm.best_grid("attention2d-no", pb, ib) == (4, 4)
     # auto and attention2d run the algorithm on the grid its time was predicted for.
