@@ -43,10 +43,25 @@ PY
 # that no long test waits queued behind another worker's while the other workers idle at the end.
 export MCP_FAILURE_LOG="$OUT/failures.txt" MCP_RUNNING_LOG="$OUT/running.txt"
 : > "$MCP_FAILURE_LOG"; : > "$MCP_RUNNING_LOG"
+# Every 3 s, each process on a GPU (its memory and command line) to $OUT/gpu_mem.tsv: shard 2 of 2026-11-28 (2 x
+# H100) failed 4 tests with CUDA out of memory at context creation, with nothing to say which processes held it.
+if command -v nvidia-smi > /dev/null; then
+  while :; do
+    t=$(date +%s)
+    nvidia-smi --query-compute-apps=gpu_uuid,pid,used_memory --format=csv,noheader,nounits 2> /dev/null |
+      while IFS=', ' read -r gpu pid mib; do
+        printf '%s\t%s\t%s\t%s\t%s\n' "$t" "${gpu: -8}" "$pid" "$mib" "$(tr '\0' ' ' < "/proc/$pid/cmdline" 2> /dev/null | cut -c1-240)"
+      done
+    sleep 3
+  done > "$OUT/gpu_mem.tsv" 2> /dev/null &
+  sampler=$!
+fi
 start=$SECONDS
 timeout "${LIMIT:-570}" python3 -m pytest -q -n "$WORKERS" --maxschedchunk 1 --timeout 500 -p no:cacheprovider \
   -o faulthandler_timeout="${DUMP_AFTER:-240}" --junitxml "$OUT/junit.xml" $TESTS "$@" 2>&1 | tee "$OUT/gpu_tests.log"
 rc=${PIPESTATUS[0]}
+[ -n "${sampler:-}" ] && kill "$sampler" 2> /dev/null
+gpu_peak=$(python3 scripts/gpu_mem_peak.py "$OUT/gpu_mem.tsv" 2> /dev/null)
 counts=$(grep -E "^[0-9]+ (passed|failed)|[0-9]+ (passed|failed).* in " "$OUT/gpu_tests.log" | tail -1)
 running=$(python3 - "$MCP_RUNNING_LOG" <<'PY'
 import sys, time
@@ -61,5 +76,6 @@ print("; ".join(f"{n} ({time.time() - t:.0f} s)" for n, t in sorted(started.item
 PY
 )
 echo "gpu_tests: $(date -u +%F) on $DEVICE, $((SECONDS - start)) s, ${WORKERS} workers${SHARD:+, shard $SHARD}: ${counts:-no summary} (rc=$rc)${running:+; still running: $running}" | tee "$OUT/summary.txt"
+[ -n "$gpu_peak" ] && echo "$gpu_peak" | tee -a "$OUT/summary.txt"
 grep "^FAILED" "$MCP_FAILURE_LOG"        # with the end of each report there
 exit "$rc"
