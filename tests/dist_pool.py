@@ -38,6 +38,8 @@ def _worker(rank, world, port, tasks, results):
             results.put((rank, True, fn(rank, world, *args)))
         except BaseException as e:  # noqa: BLE001 - reported to the parent
             results.put((rank, False, (type(e).__name__, str(e), traceback.format_exc())))
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()        # a pool lives through its module: its cache is memory others lack
     dist.destroy_process_group()
 
 
