@@ -209,12 +209,12 @@ pair is ~70 us of forward compute on an H100 and a ring hop ~0.2 ms of host time
 merge), so the rank is bound by launches: replayed on one H100 (2026-11-27), Attention2D-O took 2.2-2.5x the ideal
 in 48-63 kernel calls a fwd+bwd, 2.2-2.4x with its column gathered at once and one call a pass (16 calls, the ring
 round the row kept), against Attention2D-NO's 1.16-1.23x in 2 (docs/performance.md). At 8k (128k over P = 16) the
-overlap hides its hops but costs more local work than they take: replayed on one H100 (2026-11-28, two runs each,
-`docs/results/a2do_8k_ab_s23/`) its own schedule took 72.6-73.0 ms a fwd+bwd (MHA 32/32; GQA 32/8 68.9-70.0),
+overlap would hide its hops, but its local work costs more than they do: replayed on one H100 (2026-11-28, two runs
+each, `docs/results/a2do_8k_ab_s23/`) its own schedule took 72.6-73.0 ms a fwd+bwd (MHA 32/32; GQA 32/8 68.9-70.0),
 -NO's 67.3-68.1 (62.8-63.6), ring 62.0-62.2: the R x C fp32 read-modify-writes of every chunk's dK, dV, its rings'
 fp32 accumulators and 8k-token triangles. The cost model (`cost-model --table scale`) has -NO ahead of -O at 128k
-P = 16 wherever either beats ring-te. At 16k (1M over P = 64) the overlapped schedule is the faster (1.13-1.14x the
-ideal against -NO's 1.15-1.16x, 2026-11-25)."""
+P = 16 wherever either beats ring-te. At 16k (1M over P = 64) the overlapped schedule keeps its rings: locally
+level with -NO's (1.07-1.10x the ideal each, 2026-11-28), ahead on 2026-11-25 (1.13-1.14x against 1.15-1.16x)."""
 
 
 def overlap_pays(tokens: int) -> bool:
