@@ -235,6 +235,44 @@ def test_allgather_computes_its_own_block_while_the_gather_runs(monkeypatch, P):
         assert phase[0] == ("block_fwd" if a == 0 else "block_bwd") and "wait" in phase[1:], events
 
 
+
+@pytest.mark.parametrize("P,grid,own_first", [(2, (2, 1), True), (4, (4, 1), True), (4, (1, 4), True),
+                                              (4, (2, 2), False), (8, (4, 2), False)])
+def test_attention2d_no_computes_its_own_pair_while_the_gathers_run(monkeypatch, P, grid, own_first):
+    """Attention2D-NO posts its row and column gathers and, where every chunk pair is a call of its own (groups of
+    one chunk: 2 x 1, 4 x 1, 1 x 4), computes its own pair before it waits for them, forward and backward; grouped
+    chunks (2 x 2, 4 x 2 at these tiny shards) wait first. The order of kernel calls and waits, on a replayed rank;
+    red with the pairs in plain order."""
+    from megatron_cp_plugin.algos import attention2d
+    from megatron_cp_plugin.bench import _replay_comm
+    from megatron_cp_plugin.bench.rank_replay import RankReplay, _shards
+
+    events = []
+
+    class Work:
+        def wait(self):
+            events.append("wait")
+            return True
+
+    real_gather = _replay_comm.ReplayDist.all_gather
+    monkeypatch.setattr(_replay_comm.ReplayDist, "all_gather",
+                        lambda self, out, inp, group=None, async_op=False: (real_gather(self, out, inp, group),
+                                                                            Work() if async_op else None)[1])
+    for name in ("block_fwd_into", "block_bwd_into"):
+        real = getattr(attention2d, name)
+        monkeypatch.setattr(attention2d, name,
+                            lambda *a, _real=real, _n=name, **k: (events.append(_n), _real(*a, **k))[1])
+    rep = RankReplay("attention2d-no", P, 1, *_shards(8 * P, P, 2, 2, 8, torch.device("cpu"), torch.float32),
+                     grid=grid)
+    rep()                                        # prepares the receives
+    events.clear()
+    rep(mark=lambda: events.append("|"))
+    cut = events.index("|")
+    for kernel, phase in (("block_fwd_into", events[:cut]), ("block_bwd_into", events[cut + 1:])):
+        assert set(phase) == {kernel, "wait"}, (kernel, events)
+        assert (phase[0] == kernel) == own_first, (kernel, events)
+
+
 def test_a_posted_batch_lands_in_one_copy_per_dtype(monkeypatch):
     """A batch of receives of mixed dtypes (burst's Q, dO bf16 and D, lse fp32) is one multi-tensor copy a dtype, not
     foreach's slow path of one copy a tensor; the bytes land where they belong. Red with the grouping removed."""

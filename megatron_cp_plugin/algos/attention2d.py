@@ -36,6 +36,13 @@ merges and accumulator adds fall from one per chunk pair to one per group pair. 
 cyclic on its own) keep this per document: every chunk holds 1/P of each document, so each pair is one varlen
 call over the documents, cu_seqlens * n / P, with the pair's mask inside each document.
 
+Where every chunk pair is a call of its own (groups of one chunk: rectangular grids, P = 2's 2 x 1, shards too
+long to group, the node-aware placement), the gathers are posted and the rank computes while they travel: first
+its own pair (its Q against its own K, V: neither gathered), then its Q against the column's other K, V chunks
+once they land, then the row's other Q chunks (`_Gathered`). Same bytes, same calls; only their order and the
+online-softmax merges' order differ. On a slow link this hides a block's compute worth of each gather (2 GPUs
+over sockets: a gather there takes longer than the whole local block). The paper's Attention2D-NO waits for them.
+
 Attention2D-O (Alg. 4-11) overlaps the same communication with the computation: see `attention2d_o.py`.
 """
 from __future__ import annotations
@@ -44,8 +51,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..comm import (CommStats, CPGrid, all_gather, all_to_all, group_chunks, kv_moves, permute,
-                   reduce_at_owner)
+from ..comm import CommStats, CPGrid, all_gather_start, all_to_all, group_chunks, kv_moves, permute, reduce_at_owner
 from ..kernels.local_attn import acc_dtype, attention_delta, block_bwd_into, block_fwd_into, surrogate_out
 from ..kernels.merge import finite_lse
 from ..kernels.segments import Segments
@@ -167,6 +173,35 @@ class Grouped:
         return self.buf.movedim((self.seq + 1, self.seq + 2), (0, 1)).view((self.n * self.k,) + self.per)
 
 
+class _Gathered:
+    """Lines 3-4's gather of x in `group` (the row's or the column's), posted: its groups (`regroup`) are read once
+    first needed, after the gather has landed; the rank's own chunk `own` = (index, x) is read as it is, before."""
+
+    def __init__(self, group, x, k: int, seq: int, own: int | None, stats, phase):
+        self.started, self.k, self.seq = all_gather_start(group, x, stats, phase), k, seq
+        self.own, self.x, self.groups = own, x, None
+
+    def __getitem__(self, g: int) -> torch.Tensor:
+        if g == self.own:
+            return self.x
+        if self.groups is None:
+            out, posted = self.started
+            posted.wait()
+            self.groups, self.started = regroup(out, self.k, self.seq), None
+        return self.groups[g]
+
+
+def pair_order(grid: CPGrid, grp: ChunkGroups) -> tuple[list, int | None, int | None]:
+    """(pairs, own Q group, own K, V group): every (Q group, K, V group) pair, a Q group's pairs together. Groups of
+    one chunk: the rank's own pair first (needs no gather), then its Q's other pairs (the column's gather), then
+    the rest (the row's), so that it computes while the gathers travel; else in order, nothing own."""
+    pairs = [(a, c) for a in range(len(grp.q_res)) for c in range(len(grp.kv_res))]
+    if grp.n > 1:
+        return pairs, None, None
+    a0, c0 = grid.j, grid.i                          # this rank's Q chunk in its row, its K, V chunk in its column
+    return sorted(pairs, key=lambda ac: (ac != (a0, c0), ac[0] != a0)), a0, c0
+
+
 def _forward(grid: CPGrid, q, k, v, *, causal, scale, backend, stats=None, packing=None):
     """q [b, s, h, d], k, v [b, s, h_kv, d] (cyclic shards) -> (o in q.dtype, saved (q, row-major kv, o, lse))."""
     acc, grp = acc_dtype(q.dtype), chunk_groups(grid, q.shape[0] * q.shape[1])
@@ -174,19 +209,19 @@ def _forward(grid: CPGrid, q, k, v, *, causal, scale, backend, stats=None, packi
     seg = grp.segments(packing)
     # Line 2: K, V to row-major ownership (packed: one all-to-all).
     kv = kv_to_row_major(grid, torch.stack([k, v]), stats)
-    # Lines 3-4: Q gathered in the row, K, V in the column, the gathered chunks replaced by their groups
-    # (ChunkGroups), interleaved (copies only where n > 1).
-    q_g = regroup(all_gather(grid.row, q, stats), kq, 1)                  # kq x [b, n s, h, d]
-    kv_g = regroup(all_gather(grid.col, kv, stats), kk, 2)                # kk x [2, b, n s, h_kv, d]
-    # Line 5: the local partial, one flash-kernel triangle per (Q group, K, V group).
+    # Lines 3-4: K, V gathered in the column, Q in the row, posted (the column's first: the own Q's pairs need it
+    # first); the gathered chunks read as their groups (ChunkGroups), interleaved (copies only where n > 1).
+    pairs, a0, c0 = pair_order(grid, grp)
+    kv_g = _Gathered(grid.col, kv, kk, 2, c0, stats, "forward")           # kk x [2, b, n s, h_kv, d]
+    q_g = _Gathered(grid.row, q, kq, 1, a0, stats, "forward")             # kq x [b, n s, h, d]
+    # Line 5: the local partial, one flash-kernel triangle per (Q group, K, V group), the own pair first.
     b, s, h, d = q.shape
     o_part = Grouped((b, s, h, d), 1, grp.n, kq, acc, q.device)
     lse_part = Grouped((b, h, s), 2, grp.n, kq, acc, q.device)
-    for a in range(kq):
-        for c in range(kk):
-            block_fwd_into(o_part.group(a), lse_part.group(a), q_g[a], kv_g[c][0], kv_g[c][1], first=c == 0,
-                           mask=pair_mask(grp.q_res[a], grp.kv_res[c], causal), scale=scale, backend=backend,
-                           cu_seqlens_q=seg)
+    for i, (a, c) in enumerate(pairs):
+        block_fwd_into(o_part.group(a), lse_part.group(a), q_g[a], kv_g[c][0], kv_g[c][1],
+                       first=i == 0 or pairs[i - 1][0] != a, mask=pair_mask(grp.q_res[a], grp.kv_res[c], causal),
+                       scale=scale, backend=backend, cu_seqlens_q=seg)
     # Lines 6-7: the partials to their owners in the row, merged there (AttnFix).
     o, lse = attn_fix_all_to_all(grid, o_part.chunks(), lse_part.chunks(), stats)
     o = o.to(q.dtype)
@@ -201,23 +236,26 @@ def _backward(grid: CPGrid, do, q, kv, o, lse, *, causal, scale, backend, stats=
     ph = "backward"
     # Lines 4-5: Q, dO, D, lse in the row; K, V in the column; each as its groups (as in the forward).
     delta = attention_delta(do, o)
-    q_g = regroup(all_gather(grid.row, q, stats, ph), kq, 1)
-    do_g = regroup(all_gather(grid.row, do, stats, ph), kq, 1)
-    stat_g = regroup(all_gather(grid.row, torch.stack([delta, lse.to(acc)]), stats, ph), kq, 3)  # [2, b, h, n s]
-    kv_g = regroup(all_gather(grid.col, kv, stats, ph), kk, 2)
-    # Line 6: the backward of each (Q group, K, V group) triangle from the global (o, lse). Every partial starts
-    # as its first call's result (no zero-fill): dQ of Q group a at c = 0, dK, dV of K, V group c at a = 0.
+    pairs, a0, c0 = pair_order(grid, grp)
+    kv_g = _Gathered(grid.col, kv, kk, 2, c0, stats, ph)                  # posted, read as in the forward
+    q_g = _Gathered(grid.row, q, kq, 1, a0, stats, ph)
+    do_g = _Gathered(grid.row, do, kq, 1, a0, stats, ph)
+    stat_g = _Gathered(grid.row, torch.stack([delta, lse.to(acc)]), kq, 3, a0, stats, ph)   # [2, b, h, n s]
+    # Line 6: the backward of each (Q group, K, V group) triangle from the global (o, lse), the own pair first.
+    # Every partial starts as its first call's result (no zero-fill).
     b, s, h, d = q.shape
     dq_part = Grouped((b, s, h, d), 1, grp.n, kq, acc, q.device)
     dkv_part = Grouped((2, b, s) + tuple(kv.shape[3:]), 2, grp.n, kk, acc, q.device)
-    for a in range(kq):
-        o_g = surrogate_out(do_g[a], stat_g[a][0])   # O is not gathered: built once for the group's K, V groups
-        for c in range(kk):
-            dkv_g = dkv_part.group(c)
-            block_bwd_into(dq_part.group(a), dkv_g[0], dkv_g[1], do_g[a], q_g[a], kv_g[c][0], kv_g[c][1], o_g,
-                           stat_g[a][1], first_q=c == 0, first_kv=a == 0,
-                           mask=pair_mask(grp.q_res[a], grp.kv_res[c], causal), scale=scale, backend=backend,
-                           cu_seqlens_q=seg)
+    seen_kv = set()
+    for i, (a, c) in enumerate(pairs):
+        if i == 0 or pairs[i - 1][0] != a:           # O is not gathered: built once for the group's K, V groups
+            o_g = surrogate_out(do_g[a], stat_g[a][0])
+        dkv_g = dkv_part.group(c)
+        block_bwd_into(dq_part.group(a), dkv_g[0], dkv_g[1], do_g[a], q_g[a], kv_g[c][0], kv_g[c][1], o_g,
+                       stat_g[a][1], first_q=i == 0 or pairs[i - 1][0] != a, first_kv=c not in seen_kv,
+                       mask=pair_mask(grp.q_res[a], grp.kv_res[c], causal), scale=scale, backend=backend,
+                       cu_seqlens_q=seg)
+        seen_kv.add(c)
     # Lines 7-9: dQ summed at its owner in the row, dK, dV in the column, then back to column-major.
     dq = reduce_at_owner(grid.row, dq_part.chunks(), grid.j, acc, stats, ph)      # fp32: see the module docstring
     dkv = reduce_at_owner(grid.col, dkv_part.chunks(), grid.i, q.dtype, stats, ph).to(q.dtype)

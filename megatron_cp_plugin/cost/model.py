@@ -67,6 +67,10 @@ class Problem:
     """The neighbour rings' gradient accumulators in fp32 even where they make one hop (P = 2; ulysses-ring's ring
     of two groups): the code before the twenty-second session, which the measured sets of that time ran. False:
     today's, where one hop travels in the input dtype (`comm.wire_dtype`)."""
+    a2d_no_waits: bool = False
+    """Attention2D-NO's schedule before the twenty-third session, which the measured sets of that time ran: every
+    gather waited for before any compute. False: today's, where a rank whose chunk pairs are calls of their own
+    computes its own pair while the gathers travel (`attention2d.pair_order`)."""
 
     def __post_init__(self):
         for f in ("seq_len", "world", "heads", "head_dim", "batch"):
@@ -229,10 +233,19 @@ def attention2d_cost(algo: str, pb: Problem, hw: Hardware, rank: int | None = No
         n = 1 if row_major else group_chunks(R, C, pb.batch * (pb.seq_len // P))
         ilv = 0.0 if n == 1 else 2 / hw.mem_bw
         # (the all-to-alls of partials are timed as the reduce-scatters they replace: same bytes, same rings)
-        fwd = (perm_t + tr(q_g) + tc(kv_g) + F / hw.fwd_tflops + C * (R // n - 1) * mg
+        if n == 1 and not pb.a2d_no_waits:
+            # The own pair while the gathers travel, the own Q's R - 1 other pairs once K, V have landed, the rest
+            # once Q has (attention2d.pair_order; the column's gather posted first, the row's timed after it).
+            t_kv, t_q, t_qb = tc(kv_g), tc(kv_g) + tr(q_g), tc(kv_g) + tr(qdo_g, 2) + tr(stat_g)
+            core_f = max(max(c1, t_kv) + (R - 1) * c1, t_q) + (C - 1) * R * c1
+            core_b = max(max(c1b, t_kv) + (R - 1) * c1b, t_qb) + (C - 1) * R * c1b
+        else:
+            core_f = tr(q_g) + tc(kv_g) + F / hw.fwd_tflops
+            core_b = tr(qdo_g, 2) + tr(stat_g) + tc(kv_g) + B / hw.bwd_tflops
+        fwd = (perm_t + core_f + C * (R // n - 1) * mg
                + ilv * (C * n_q + R * 2 * n_kv) * e
                + (tr(fix) + C * n_q * ATTNFIX_BYTES / hw.mem_bw if C > 1 else 0.0))
-        bwd = (tr(qdo_g, 2) + tr(stat_g) + tc(kv_g) + B / hw.bwd_tflops + R * C // n * (add_q + add_kv)
+        bwd = (core_b + R * C // n * (add_q + add_kv)
                + ilv * ((2 * C * n_q + R * 2 * n_kv) * e + C * 2 * n_r * acc)
                + tr(dq_rs) + tc(dkv_rs) + perm_t)
     else:
