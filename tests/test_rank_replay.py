@@ -201,13 +201,10 @@ def test_refit_recomputes_the_factors_against_todays_model(tmp_path):
         bench_main(["rank", "--refit", str(src)])
 
 
-@pytest.mark.parametrize("P", [2, 3, 6])
-def test_allgather_computes_its_own_block_while_the_gather_runs(monkeypatch, P):
-    """allgather posts its K, V gathers and computes its own block (its own K, V) before it waits for them, forward
-    and backward, grouped (P = 6) and not (P = 2, 3): the order of kernel calls and waits, on a replayed rank."""
-    from megatron_cp_plugin.algos import allgather
+def _call_order(monkeypatch, module, kernels) -> list:
+    """The replayed rank's events, in order: "gather" for each all_gather posted or run, "wait" for each wait on a
+    posted one, and each call of `module`'s functions `kernels` by name."""
     from megatron_cp_plugin.bench import _replay_comm
-    from megatron_cp_plugin.bench.rank_replay import RankReplay, _shards
 
     events = []
 
@@ -217,13 +214,27 @@ def test_allgather_computes_its_own_block_while_the_gather_runs(monkeypatch, P):
             return True
 
     real_gather = _replay_comm.ReplayDist.all_gather
-    monkeypatch.setattr(_replay_comm.ReplayDist, "all_gather",
-                        lambda self, out, inp, group=None, async_op=False: (events.append("gather"),
-                                                                            real_gather(self, out, inp, group),
-                                                                            Work() if async_op else None)[2])
-    for name in ("block_fwd", "block_bwd"):
-        real = getattr(allgather, name)
-        monkeypatch.setattr(allgather, name, lambda *a, _real=real, _n=name, **k: (events.append(_n), _real(*a, **k))[1])
+
+    def gather(self, out, inp, group=None, async_op=False):
+        events.append("gather")
+        real_gather(self, out, inp, group)
+        return Work() if async_op else None
+
+    monkeypatch.setattr(_replay_comm.ReplayDist, "all_gather", gather)
+    for name in kernels:
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _real=real, _n=name, **k: (events.append(_n), _real(*a, **k))[1])
+    return events
+
+
+@pytest.mark.parametrize("P", [2, 3, 6])
+def test_allgather_computes_its_own_block_while_the_gather_runs(monkeypatch, P):
+    """allgather posts its K, V gathers and computes its own block (its own K, V) before it waits for them, forward
+    and backward, grouped (P = 6) and not (P = 2, 3): the order of kernel calls and waits, on a replayed rank."""
+    from megatron_cp_plugin.algos import allgather
+    from megatron_cp_plugin.bench.rank_replay import RankReplay, _shards
+
+    events = _call_order(monkeypatch, allgather, ("block_fwd", "block_bwd"))
     rep = RankReplay("allgather", P, P // 2, *_shards(24 * P, P, 2, 2, 8, torch.device("cpu"), torch.float32))
     rep()                                        # prepares the receives
     events.clear()
@@ -235,7 +246,6 @@ def test_allgather_computes_its_own_block_while_the_gather_runs(monkeypatch, P):
         assert phase[0] == ("block_fwd" if a == 0 else "block_bwd") and "wait" in phase[1:], events
 
 
-
 @pytest.mark.parametrize("P,grid,own_first", [(2, (2, 1), True), (4, (4, 1), True), (4, (1, 4), True),
                                               (4, (2, 2), False), (8, (4, 2), False)])
 def test_attention2d_no_computes_its_own_pair_while_the_gathers_run(monkeypatch, P, grid, own_first):
@@ -244,29 +254,15 @@ def test_attention2d_no_computes_its_own_pair_while_the_gathers_run(monkeypatch,
     chunks (2 x 2, 4 x 2 at these tiny shards) wait first. The order of kernel calls and waits, on a replayed rank;
     red with the pairs in plain order."""
     from megatron_cp_plugin.algos import attention2d
-    from megatron_cp_plugin.bench import _replay_comm
     from megatron_cp_plugin.bench.rank_replay import RankReplay, _shards
 
-    events = []
-
-    class Work:
-        def wait(self):
-            events.append("wait")
-            return True
-
-    real_gather = _replay_comm.ReplayDist.all_gather
-    monkeypatch.setattr(_replay_comm.ReplayDist, "all_gather",
-                        lambda self, out, inp, group=None, async_op=False: (real_gather(self, out, inp, group),
-                                                                            Work() if async_op else None)[1])
-    for name in ("block_fwd_into", "block_bwd_into"):
-        real = getattr(attention2d, name)
-        monkeypatch.setattr(attention2d, name,
-                            lambda *a, _real=real, _n=name, **k: (events.append(_n), _real(*a, **k))[1])
+    events = _call_order(monkeypatch, attention2d, ("block_fwd_into", "block_bwd_into"))
     rep = RankReplay("attention2d-no", P, 1, *_shards(8 * P, P, 2, 2, 8, torch.device("cpu"), torch.float32),
                      grid=grid)
     rep()                                        # prepares the receives
     events.clear()
     rep(mark=lambda: events.append("|"))
+    events = [e for e in events if e != "gather"]
     cut = events.index("|")
     for kernel, phase in (("block_fwd_into", events[:cut]), ("block_bwd_into", events[cut + 1:])):
         assert set(phase) == {kernel, "wait"}, (kernel, events)
