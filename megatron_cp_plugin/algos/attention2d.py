@@ -39,9 +39,10 @@ call over the documents, cu_seqlens * n / P, with the pair's mask inside each do
 Where every chunk pair is a call of its own (groups of one chunk: rectangular grids, P = 2's 2 x 1, shards too
 long to group, the node-aware placement), the gathers are posted and the rank computes while they travel: first
 its own pair (its Q against its own K, V: neither gathered), then its Q against the column's other K, V chunks
-once they land, then the row's other Q chunks (`_Gathered`). Same bytes, same calls; only their order and the
-online-softmax merges' order differ. On a slow link this hides a block's compute worth of each gather (2 GPUs
-over sockets: a gather there takes longer than the whole local block). The paper's Attention2D-NO waits for them.
+once they land, then the row's other Q chunks (`pair_order`, `_Gathered`). Same bytes, same calls; only their
+order and the online-softmax merges' order differ. On a slow link this hides a block's compute worth of each
+gather (2 GPUs over sockets: a gather there takes longer than the whole local block). The paper's Attention2D-NO
+waits for them.
 
 Attention2D-O (Alg. 4-11) overlaps the same communication with the computation: see `attention2d_o.py`.
 """
@@ -175,7 +176,8 @@ class Grouped:
 
 class _Gathered:
     """Lines 3-4's gather of x in `group` (the row's or the column's), posted: its groups (`regroup`) are read once
-    first needed, after the gather has landed; the rank's own chunk `own` = (index, x) is read as it is, before."""
+    first needed, after the gather has landed; group `own` (the rank's own chunk, groups of one chunk) is x itself,
+    read before it has."""
 
     def __init__(self, group, x, k: int, seq: int, own: int | None, stats, phase):
         self.started, self.k, self.seq = all_gather_start(group, x, stats, phase), k, seq
