@@ -50,7 +50,7 @@ class QStat:
 
     def __init__(self, q: torch.Tensor, acc: torch.dtype):
         self.h, self.d, self.dtype, self.acc = q.shape[2], q.shape[3], q.dtype, acc
-        r = max(1, torch.tensor([], dtype=acc).element_size() // q.element_size())   # q elements in one acc
+        r = max(1, acc.itemsize // q.element_size())             # q elements in one acc
         self.off = -(-self.h * self.d // r) * r             # where the statistics start: an acc boundary
         self.n_stat = 2 * self.h * r
         align = max(r, 16 // q.element_size())
