@@ -4,10 +4,13 @@
 #   A. NVLink, MHA 16/16: every algorithm, ring-te, single GPU, the anchors (te-p2p runs where
 #      `import transformer_engine` works, else one 'not run' line);
 #   B. NVLink, GQA 32/8 (torch CP cannot run GQA and says so);
-#   C. --slow-link (NCCL over sockets), MHA 16/16, fewer iterations: issue 16's P = 2 target is burst and
-#      attention2d-no <= 0.8x ring-te there.
-# Checks (summary.md): every run exits 0; ring-te's row has fwd_bwd_x_ring_te = 1; ring-te sends 2/3 of ring's
-# backward bytes in bf16 (fwd+bwd MB: ring-te = 0.75 x ring).
+#   C. --slow-link (NCCL over sockets), MHA 16/16: issue 34's P = 2 bar is burst and attention2d-no <= 0.90x
+#      ring-te there (issue 16's was 0.8). Two warm-up calls and five timed, as A: with one and three (until
+#      2026-11-28) the first algorithm timed over sockets, ring, took 1.21 s where the same machine's next two runs
+#      of five after two gave 0.83 and 0.81 s, and burst 0.99x ring-te where they gave 0.84x and 0.86x.
+# Checks (summary.md): every run exits 0; ring-te's row has fwd_bwd_x_ring_te = 1; at P = 2 in bf16 ring sends
+# ring-te's bytes (its dK, dV make one hop in the input dtype since c68f4ff; 0.75 x ring before, the ratio at
+# P > 2, where ring's accumulators travel in fp32).
 # Writes under $OUT: A.log, B.log, C.log, summary.txt (steps), summary.md, attn_mha.{json,md}, attn_gqa.{json,md},
 # attn_sockets.{json,md} (PNGs are not written: matplotlib is not needed).
 set -u
@@ -22,13 +25,14 @@ python3 -c "import transformer_engine; print('transformer_engine', transformer_e
 B="torchrun --nproc-per-node 2 -m megatron_cp_plugin.bench attention --seq 131072"
 step A 150 $B --heads 16 --warmup 2 --iters 5 --out "$OUT/attn_mha"; a=$?
 step B 120 $B --heads 32 --kv-heads 8 --warmup 2 --iters 5 --anchors te-p2p --out "$OUT/attn_gqa"; b=$?
-step C 150 $B --heads 16 --warmup 1 --iters 3 --slow-link --anchors te-p2p --out "$OUT/attn_sockets"; c=$?
+step C 150 $B --heads 16 --warmup 2 --iters 5 --slow-link --anchors te-p2p --out "$OUT/attn_sockets"; c=$?
 python3 - "$OUT" "$a" "$b" "$c" > "$OUT/summary.md" 2>&1 <<'PY'
 import json, os, sys
 out, rcs = sys.argv[1], sys.argv[2:]
-print("# issue 16 item 2: ring-te in megatron-cp-bench attention (2 x H200, 128k, bf16)\n")
+print("# issues 16 and 34 item 2: megatron-cp-bench attention on 2 GPUs (128k, bf16)\n")
 print("exit codes A (NVLink MHA), B (NVLink GQA 32/8), C (sockets MHA):", " ".join(rcs))
 ok = all(r == "0" for r in rcs)
+missed = []                                   # issue 34's bars: reported, not checks (speed is not a test)
 for name in ("attn_mha", "attn_gqa", "attn_sockets"):
     path = os.path.join(out, name + ".json")
     if not os.path.exists(path):
@@ -44,13 +48,27 @@ for name in ("attn_mha", "attn_gqa", "attn_sockets"):
     if te is None or ring is None or te.get("fwd_bwd_x_ring_te") != 1.0:
         print("CHECK FAILED: ring-te row or its ratio missing"); ok = False; continue
     byte_ratio = te["MB_sent_fwd_bwd"] / ring["MB_sent_fwd_bwd"]
-    good = abs(byte_ratio - 0.75) < 1e-6
+    good = abs(byte_ratio - 1.0) < 1e-6
     ok &= good
-    print(f"\nring-te / ring bytes: {byte_ratio:.4f} (expected 0.75 in bf16) {'ok' if good else 'CHECK FAILED'}")
+    print(f"\nring-te / ring bytes: {byte_ratio:.4f} (expected 1 at P = 2 in bf16) {'ok' if good else 'CHECK FAILED'}")
     if name == "attn_sockets":
         for a in ("burst", "attention2d-no"):
             if a in by:
-                print(f"target (issue 16, P = 2 sockets): {a} {by[a]['fwd_bwd_x_ring_te']:.3f} x ring-te (<= 0.8)")
+                x = by[a]["fwd_bwd_x_ring_te"]
+                print(f"bar (issue 34, P = 2 sockets): {a} {x:.3f} x ring-te (<= 0.90: {'met' if x <= 0.90 else 'MISSED'})")
+                missed += [f"{a} sockets"] if x > 0.90 else []
+    if name == "attn_mha":
+        torch_cp = [r["fwd_bwd_ms"] for r in rows if r["algo"].startswith("torch-cp") and r.get("fwd_bwd_ms")]
+        single = by.get("single-GPU cudnn", {}).get("fwd_bwd_ms")
+        for r in rows:
+            if r["algo"].startswith(("single", "torch-cp")) or not r.get("fwd_bwd_ms"):
+                continue
+            x1 = r["fwd_bwd_ms"] / single if single else float("nan")
+            xt = r["fwd_bwd_ms"] / min(torch_cp) if torch_cp else float("nan")
+            print(f"bar (issue 34, NVLink): {r['algo']} {x1:.3f} x one GPU (<= 0.52: {'met' if x1 <= 0.52 else 'MISSED'}),"
+                  f" {xt:.3f} x torch CP's best (<= 1: {'met' if xt <= 1 else 'MISSED'})")
+            missed += [f"{r['algo']} NVLink"] if x1 > 0.52 or xt > 1 else []
 print("\nALL CHECKS PASSED" if ok else "\nSOME CHECKS FAILED")
+print("issue 34 bars missed: " + (", ".join(missed) if missed else "none"))
 PY
 cat "$OUT/summary.md"
