@@ -185,10 +185,12 @@ def choose_grid(world: int, *, h: int = 1, h_kv: int = 1) -> tuple[int, int]:
 MAX_GROUP_TOKENS = 16384
 """Most query tokens (b x rows) one grouped Attention2D-NO kernel call takes (`group_chunks`), where groups of
 chunks make calls larger than one chunk pair's: the call's output, gradients and workspace grow with its rows (the
-memory planner counts n times a pair call's), and at 16k rows the kernels should run at their full rate already
-(untuned: the GPU measurement of issue 34 is to come). At 32768 the planner moved the shipped GPT-3 13B at 128k
-on 16 80-GB GPUs (launch/gpt3-13b.sbatch, 4 x 4, 8k tokens a rank) from fsdp-optim_grads_params to recompute;
-at 16384 every shipped script keeps its layout. Groups are made smaller (more calls) to stay within it, down to
+memory planner counts n times a pair call's). Larger calls are faster: on one H200 (2026-11-28, one or two timed
+calls a row, docs/results/group_tokens_ab_s24/) 32768 took Attention2D-NO's rank from 985.8 to 933.8 ms at 1M over
+8 x 8 (128 kernel calls to 32) and from 1.118x to 1.043x ring at 128k over 4 x 4. It stays 16384 because at 32768
+the planner's transient for GPT-3 13B at 128k on 16 80-GB GPUs (4 x 4, 8k tokens a rank) grows by 1.87 GiB and
+its layout moves from fsdp-optim_grads_params (74.17 GiB) to +recompute: the cap should be the planner's choice
+per run, the largest that fits. Groups are made smaller (more calls) to stay within it, down to
 one chunk pair per call, whatever its size."""
 
 
