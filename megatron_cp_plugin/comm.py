@@ -487,6 +487,30 @@ def reduce_at_owner(group, x: torch.Tensor, me: int, wire: torch.dtype, stats=No
     return torch.sum(got, 0, dtype=x.dtype).add_(x[me])
 
 
+class PostedReduce:
+    """reduce_at_owner posted before the own partial is final (`reduce_at_owner_start`): wait(own) sums the others'
+    partials, as they arrive, with `own`, this rank's final partial (x[me])."""
+
+    def __init__(self, posted: PostedAllToAll, me: int, dtype: torch.dtype):
+        self.posted, self.me, self.dtype = posted, me, dtype
+
+    def wait(self, own: torch.Tensor) -> torch.Tensor:
+        (got,) = self.posted.wait()
+        got[self.me].zero_()                        # what travelled to itself: x[me] when posted, not final then
+        return torch.sum(got, 0, dtype=self.dtype).add_(own)
+
+
+def reduce_at_owner_start(group, x: torch.Tensor, me: int, wire: torch.dtype, stats=None,
+                          phase="backward") -> PostedReduce:
+    """reduce_at_owner, posted while x[me] is still being summed into: the other chunks (final) travel now, in
+    `wire`, and the rank computes its own partial meanwhile; `.wait(x[me])` returns the sum. The same bytes and
+    the same sum as reduce_at_owner's in the 16-bit case (the own partial added last, unrounded); x is always
+    copied into the send buffer, so later writes to x[me] never race the transfer."""
+    send = torch.empty(x.shape, dtype=wire, device=x.device)
+    send.copy_(x)
+    return PostedReduce(all_to_all_start(group, [send], stats, phase), me, x.dtype)
+
+
 def permute(group, x: torch.Tensor, send_to: int, recv_from: int, stats=None, phase="forward") -> torch.Tensor:
     """One step of a permutation of the members' x: send x to group rank `send_to`, return the x of
     `recv_from`. An all-to-all with one nonzero split per rank, so every member takes part (NCCL wants that

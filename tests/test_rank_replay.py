@@ -85,11 +85,13 @@ def test_rank_subcommand_reports_every_algorithm(tmp_path, capsys, monkeypatch):
         # the launches of the local work: every (Q, K) block pair of the rank is one attention call, fwd and bwd;
         # attention2d-no on the square grid gathers Q, K, V chunks that interleave into one triangle (its one call);
         # attention2d-o on 2 x 2 batches its second forward pass's 2 chunks: one call or two, by their masks
+        # attention2d-no on 4 x 1 splits its own pair's backward in three calls around the dK, dV exchange (own_split)
         # ring, ring-te and burst run in rounds at 16 tokens a rank (ring.round_size: one round of 3), a pass being
         # the own triangle and up to three calls (the ranks before, the ranks after in two chunks); burst's
         # backward meets the ranks after first (with r's first key chunk) and before second, the same count
         rounds = 1 + (r["rank"] > 0) + 2 * (r["rank"] < 3)
-        calls = {("attention2d-no", "2x2"): (2,), ("attention2d-o", "2x2"): (7, 8), ("ring", "-"): (2 * rounds,),
+        calls = {("attention2d-no", "2x2"): (2,), ("attention2d-no", "4x1"): (10,),
+                 ("attention2d-o", "2x2"): (7, 8), ("ring", "-"): (2 * rounds,),
                  ("ring-te", "-"): (2 * rounds,), ("burst", "-"): (2 * rounds,),
                  ("allgather", "-"): (2 * rounds,)}.get((r["algo"], r["grid"]), (8,))    # allgather: its groups
         assert r["ops"] > r["attn_calls"] and r["attn_calls"] in calls, (r["algo"], r["grid"])
@@ -267,6 +269,41 @@ def test_attention2d_no_computes_its_own_pair_while_the_gathers_run(monkeypatch,
     for kernel, phase in (("block_fwd_into", events[:cut]), ("block_bwd_into", events[cut + 1:])):
         assert set(phase) == {kernel, "wait"}, (kernel, events)
         assert (phase[0] == kernel) == own_first, (kernel, events)
+
+
+
+@pytest.mark.parametrize("P,grid,split", [(2, (2, 1), True), (3, (3, 1), True), (4, (4, 1), True),
+                                          (4, (1, 4), False), (4, (2, 2), False)])
+def test_attention2d_no_computes_the_own_keys_while_its_dkv_partials_travel(monkeypatch, P, grid, split):
+    """On an R x 1 grid Attention2D-NO's backward posts the other K, V chunks' dK, dV partials to their owners
+    before the last part of its own pair (its keys [s1:]), which it computes while they travel, and sums them after:
+    the order of kernel calls and of the exchange's post and wait, on a replayed rank (causal). Other grids run
+    the plain order (no early post). Red with the post moved after the last call."""
+    from megatron_cp_plugin.algos import attention2d
+    from megatron_cp_plugin.bench.rank_replay import RankReplay, _shards
+
+    events = _call_order(monkeypatch, attention2d, ("block_bwd_into",))
+    real_start = attention2d.reduce_at_owner_start
+
+    def start(*a, **k):
+        events.append("post")
+        posted = real_start(*a, **k)
+        real_wait = posted.wait
+        posted.wait = lambda own: (events.append("summed"), real_wait(own))[1]
+        return posted
+
+    monkeypatch.setattr(attention2d, "reduce_at_owner_start", start)
+    rep = RankReplay("attention2d-no", P, 1, *_shards(8 * P, P, 2, 2, 8, torch.device("cpu"), torch.float32),
+                     grid=grid)
+    rep()                                        # prepares the receives
+    events.clear()
+    rep(mark=lambda: events.append("|"))
+    bwd = [e for e in events[events.index("|") + 1:] if e not in ("gather", "wait")]
+    if not split:
+        assert "post" not in bwd, bwd
+        return
+    # the own pair's keys [:s1] (two calls), the R - 1 other chunks' pairs, the post, the own keys [s1:], the sum
+    assert bwd == ["block_bwd_into"] * (2 + P - 1) + ["post", "block_bwd_into", "summed"], bwd
 
 
 def test_a_posted_batch_lands_in_one_copy_per_dtype(monkeypatch):

@@ -42,7 +42,11 @@ its own pair (its Q against its own K, V: neither gathered), then its Q against 
 once they land, then the row's other Q chunks (`pair_order`, `_Gathered`). Same bytes, same calls; only their
 order and the online-softmax merges' order differ. On a slow link this hides a block's compute worth of each
 gather (2 GPUs over sockets: a gather there takes longer than the whole local block). The paper's Attention2D-NO
-waits for them.
+waits for them. On an R x 1 grid (P = 2's 2 x 1) the backward's dK, dV exchange (line 8) is hidden too: the own
+pair is split by keys (`own_split`), keys [:s1] first (behind the gather), then the column's other chunks' pairs,
+then their partials posted to their owners and the own keys [s1:] computed while they travel (`_backward_split`:
+two kernel calls more, the same bytes; on 2 x H200 over NVLink the rank's local work equals ring's while the
+exchange waited, 10 ms of a 241 ms fwd+bwd went to communication). The own Q chunk's O is this rank's: no surrogate.
 
 Attention2D-O (Alg. 4-11) overlaps the same communication with the computation: see `attention2d_o.py`.
 """
@@ -52,7 +56,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..comm import CommStats, CPGrid, all_gather_start, all_to_all, group_chunks, kv_moves, permute, reduce_at_owner
+from ..comm import (CommStats, CPGrid, all_gather_start, all_to_all, group_chunks, kv_moves, permute, reduce_at_owner,
+                    reduce_at_owner_start)
 from ..kernels.local_attn import acc_dtype, attention_delta, block_bwd_into, block_fwd_into, surrogate_out
 from ..kernels.merge import finite_lse
 from ..kernels.segments import Segments
@@ -204,6 +209,19 @@ def pair_order(grid: CPGrid, grp: ChunkGroups) -> tuple[list, int | None, int | 
     return sorted(pairs, key=lambda ac: (ac != (a0, c0), ac[0] != a0)), a0, c0
 
 
+def own_split(grid: CPGrid, grp: ChunkGroups, s: int, packing) -> int | None:
+    """Where the backward splits the own pair by keys (`_backward_split`): s1, so that keys [:s1] come before the
+    other K, V chunks' pairs (behind the column's gather) and keys [s1:] after their dK, dV partials are posted
+    (behind that exchange); None where the plain order runs: grouped chunks, a row of several Q chunks (C > 1: its
+    dQ exchange comes last too), no column (R = 1), packed documents (a split would cut them). The last part holds
+    about half the own triangle, (s - s1)^2 = s^2 / 2, its row count a multiple of 64 from 128 rows on."""
+    if grp.n > 1 or grid.cols > 1 or grid.rows == 1 or packing is not None or s < 2:
+        return None
+    keep = int(s * 0.7071)
+    keep -= keep % 64 if keep >= 128 else 0
+    return s - keep if 0 < keep < s else None
+
+
 def _forward(grid: CPGrid, q, k, v, *, causal, scale, backend, stats=None, packing=None):
     """q [b, s, h, d], k, v [b, s, h_kv, d] (cyclic shards) -> (o in q.dtype, saved (q, row-major kv, o, lse))."""
     acc, grp = acc_dtype(q.dtype), chunk_groups(grid, q.shape[0] * q.shape[1])
@@ -248,10 +266,17 @@ def _backward(grid: CPGrid, do, q, kv, o, lse, *, causal, scale, backend, stats=
     b, s, h, d = q.shape
     dq_part = Grouped((b, s, h, d), 1, grp.n, kq, acc, q.device)
     dkv_part = Grouped((2, b, s) + tuple(kv.shape[3:]), 2, grp.n, kk, acc, q.device)
+    split = own_split(grid, grp, s, packing)
+    if split is not None:
+        dkv = _backward_split(grid, grp, split, dq_part, dkv_part, (q, do, o, stat_g[a0][1]), kv_g, causal=causal,
+                              scale=scale, backend=backend, stats=stats)
+        dq = reduce_at_owner(grid.row, dq_part.chunks(), grid.j, acc, stats, ph)
+        dkv = kv_to_row_major(grid, dkv.to(q.dtype), stats, ph, inverse=True)
+        return dq.to(q.dtype), dkv[0], dkv[1]
     seen_kv = set()
     for i, (a, c) in enumerate(pairs):
-        if i == 0 or pairs[i - 1][0] != a:           # O is not gathered: built once for the group's K, V groups
-            o_g = surrogate_out(do_g[a], stat_g[a][0])
+        if i == 0 or pairs[i - 1][0] != a:           # O is not gathered (the own chunk's is here): built once for
+            o_g = o if a == a0 else surrogate_out(do_g[a], stat_g[a][0])         # the group's K, V groups
         dkv_g = dkv_part.group(c)
         block_bwd_into(dq_part.group(a), dkv_g[0], dkv_g[1], do_g[a], q_g[a], kv_g[c][0], kv_g[c][1], o_g,
                        stat_g[a][1], first_q=i == 0 or pairs[i - 1][0] != a, first_kv=c not in seen_kv,
@@ -263,6 +288,46 @@ def _backward(grid: CPGrid, do, q, kv, o, lse, *, causal, scale, backend, stats=
     dkv = reduce_at_owner(grid.col, dkv_part.chunks(), grid.i, q.dtype, stats, ph).to(q.dtype)
     dkv = kv_to_row_major(grid, dkv, stats, ph, inverse=True)
     return dq.to(q.dtype), dkv[0], dkv[1]
+
+
+def _backward_split(grid: CPGrid, grp: ChunkGroups, s1: int, dq_part, dkv_part, own, kv_g, *, causal, scale, backend,
+                    stats):
+    """Line 6 on an R x 1 grid (`own_split`), with line 8's dK, dV exchange behind the compute: the own pair's keys
+    [:s1] (behind the column's gather), the column's other K, V chunks' pairs, their partials posted to their owners
+    (`reduce_at_owner_start`), then the own pair's keys [s1:] while they travel. Returns the own chunk's dK, dV sum
+    [2, b, s, h_kv, d] (fp32). Same calls as the plain order but two more (the own pair in three), same bytes."""
+    q, do, o, lse = own                             # the row's one Q chunk is this rank's: its O is here, no surrogate
+    a0, c0 = 0, grid.i
+    mask = pair_mask(grp.q_res[a0], grp.kv_res[c0], causal)
+    dq, dkv0 = dq_part.group(a0), dkv_part.group(c0)
+    k0, v0 = kv_g[c0][0], kv_g[c0][1]
+    lo, hi = slice(0, s1), slice(s1, None)
+    kw = dict(scale=scale, backend=backend)
+
+    def rows(x, r):                                  # [b, s, ...] rows r; lse [b, h, s] columns r
+        return x[..., r] if x is lse else x[:, r]
+
+    def call(qr, kr, m, first_q, first_kv):
+        block_bwd_into(dq[:, qr], dkv0[0][:, kr], dkv0[1][:, kr], rows(do, qr), rows(q, qr), k0[:, kr], v0[:, kr],
+                       rows(o, qr), rows(lse, qr), first_q=first_q, first_kv=first_kv, mask=m, **kw)
+
+    # The own pair's keys [:s1]: queries [:s1] under the pair's mask, [s1:] see all of them (causal); every query
+    # row at once (not causal).
+    if causal:
+        call(lo, lo, mask, True, True)
+        call(hi, lo, "none", True, False)
+    else:
+        call(slice(None), lo, "none", True, True)
+    # The column's other K, V chunks, then their partials home (the own chunk's slot travels unfinished, unread).
+    for c in range(len(grp.kv_res)):
+        if c != c0:
+            dkv_c = dkv_part.group(c)
+            block_bwd_into(dq, dkv_c[0], dkv_c[1], do, q, kv_g[c][0], kv_g[c][1], o, lse, first_q=False,
+                           first_kv=True, mask=pair_mask(grp.q_res[a0], grp.kv_res[c], causal), **kw)
+    posted = reduce_at_owner_start(grid.col, dkv_part.chunks(), grid.i, q.dtype, stats, "backward")
+    # The own pair's keys [s1:] while they travel: only queries [s1:] see them (causal).
+    call(hi if causal else slice(None), hi, mask, False, True)
+    return posted.wait(dkv_part.chunks()[c0])
 
 
 def attention2d_no(q, k, v, *, group: CPGrid, causal: bool = True, softmax_scale: float, backend: str | None = None,

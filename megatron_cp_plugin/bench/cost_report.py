@@ -52,11 +52,13 @@ def attention_problem(s: dict, seq_len: int, algo: str = "attention2d-no") -> Pr
     column-major, on the grid the set records (what ran then: the bytes the benchmark counted say which,
     tests/test_cost_model.py), else choose_grid's; the other grid algorithm, ulysses-ring, on its own default.
     `fp32_one_hop`: the set ran before one-hop accumulators travelled in the input dtype (Problem.fp32_one_hop);
-    `a2d_no_waits`: before Attention2D-NO computed its own pair while its gathers travel (Problem.a2d_no_waits)."""
+    `a2d_no_waits`: before Attention2D-NO computed its own pair while its gathers travel (Problem.a2d_no_waits);
+    `a2d_no_exchange_waits`: before its R x 1 backward hid the dK, dV exchange (Problem.a2d_no_exchange_waits)."""
     grid = tuple(s["attention2d_grid"]) if s.get("attention2d_grid") and algo.startswith("attention2d") else None
     return Problem(seq_len, s["world"], s["heads"], s["kv_heads"], s["head_dim"], s["batch"], s["dtype_bytes"],
                    s["causal"], grid=grid, node_aware=False, fp32_one_hop=s.get("fp32_one_hop", False),
-                   a2d_no_waits=s.get("a2d_no_waits", False))
+                   a2d_no_waits=s.get("a2d_no_waits", False),
+                   a2d_no_exchange_waits=s.get("a2d_no_exchange_waits", False))
 
 
 def decode_problem(s: dict, context: int) -> DecodeProblem:

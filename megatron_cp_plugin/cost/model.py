@@ -71,6 +71,10 @@ class Problem:
     """Attention2D-NO's schedule before the twenty-third session, which the measured sets of that time ran: every
     gather waited for before any compute. False: today's, where a rank whose chunk pairs are calls of their own
     computes its own pair while the gathers travel (`attention2d.pair_order`)."""
+    a2d_no_exchange_waits: bool = False
+    """Attention2D-NO's backward before the twenty-fourth session, which every measured set of that time ran: its
+    dK, dV exchange in the column after its last pair. False: today's, where an R x 1 grid posts it before the own
+    pair's keys [s1:] and computes those while it travels (`attention2d.own_split`)."""
 
     def __post_init__(self):
         for f in ("seq_len", "world", "heads", "head_dim", "batch"):
@@ -233,12 +237,18 @@ def attention2d_cost(algo: str, pb: Problem, hw: Hardware, rank: int | None = No
         n = 1 if row_major else group_chunks(R, C, pb.batch * (pb.seq_len // P))
         ilv = 0.0 if n == 1 else 2 / hw.mem_bw
         # (the all-to-alls of partials are timed as the reduce-scatters they replace: same bytes, same rings)
+        split = False                             # the dK, dV exchange behind the own pair's last keys
         if n == 1 and not pb.a2d_no_waits:
             # The own pair while the gathers travel, the own Q's R - 1 other pairs once K, V have landed, the rest
             # once Q has (attention2d.pair_order; the column's gather posted first, the row's timed after it).
             t_kv, t_q, t_qb = tc(kv_g), tc(kv_g) + tr(q_g), tc(kv_g) + tr(qdo_g, 2) + tr(stat_g)
             core_f = max(max(c1, t_kv) + (R - 1) * c1, t_q) + (C - 1) * R * c1
             core_b = max(max(c1b, t_kv) + (R - 1) * c1b, t_qb) + (C - 1) * R * c1b
+            split = C == 1 and R > 1 and not pb.a2d_no_exchange_waits
+            if split:
+                # R x 1 (attention2d.own_split): the own pair's keys [:s1] (half its work) behind the gather, the
+                # R - 1 other pairs, then its keys [s1:] while the partials travel.
+                core_b = max(0.5 * c1b, t_kv) + (R - 1) * c1b + max(0.5 * c1b, tc(dkv_rs))
         else:
             core_f = tr(q_g) + tc(kv_g) + F / hw.fwd_tflops
             core_b = tr(qdo_g, 2) + tr(stat_g) + tc(kv_g) + B / hw.bwd_tflops
@@ -247,7 +257,7 @@ def attention2d_cost(algo: str, pb: Problem, hw: Hardware, rank: int | None = No
                + (tr(fix) + C * n_q * ATTNFIX_BYTES / hw.mem_bw if C > 1 else 0.0))
         bwd = (core_b + R * C // n * (add_q + add_kv)
                + ilv * ((2 * C * n_q + R * 2 * n_kv) * e + C * 2 * n_r * acc)
-               + tr(dq_rs) + tc(dkv_rs) + perm_t)
+               + tr(dq_rs) + (0.0 if split else tc(dkv_rs)) + perm_t)
     else:
         row = phase_link(rows, hw, p2p=True) if C > 1 else None
         col = phase_link(cols, hw, p2p=True) if R > 1 else None
