@@ -272,7 +272,9 @@ def test_13b_with_fsdp_and_recompute_on_2_gpus_peaks_in_the_optimizer_step():
     assert est.total == pytest.approx(static + 4 * m.params / 2 + root_gathered)
     assert est.total / 2**30 == pytest.approx(135.17, abs=0.01)
     fused = plan.estimate(m, plan.Layout("fsdp-optim_grads_params", recompute=True), 2, fused_adam=True)
-    assert fused.step == root_gathered and fused.peak == "backward" and fused.total / 2**30 == pytest.approx(131.6,
+    # fused Adam: the backward is the peak, attention2d-no's (the config's algorithm) on 2 x 1 with its dK, dV
+    # exchange buffers beside the own pair's last call (attention2d.own_split; 131.6 while the exchange came last)
+    assert fused.step == root_gathered and fused.peak == "backward" and fused.total / 2**30 == pytest.approx(132.54,
                                                                                                           abs=0.05)
     # ZeRO-1's optimizer steps plain tensors (the rank's fp32 main shard), DDP's every fp32 main weight: with torch's
     # foreach Adam (Megatron-LM without TE or Apex) a temporary each; megatron-cp-pretrain fuses them (none)

@@ -214,7 +214,9 @@ def attention2d_no(sh: Shape) -> Terms:
     (its send and receive buffers, 2C (Qa + L)). backward: lse (L), Q, dO gathered (2gq), D, lse gathered (2CL),
     K, V (gkv), the fp32 dQ and dK, dV partials (C Qa + 2R Ka), then the largest of the calls (n (Q + max(3Qa,
     blk + G))), the dq sum in the row (2C Qa + Qa), the dK, dV sum in the column (its cast and receive buffer 4RK,
-    or the fp32 sum 2RK + 2Ka) and the results (Qa + 2Ka + 4K + G)."""
+    or the fp32 sum 2RK + 2Ka) and the results (Qa + 2Ka + 4K + G); on R x 1 (attention2d.own_split) the
+    exchange's buffers (4RK) beside the own pair's last call, which runs while it travels (packed documents do not
+    split: an over-count there)."""
     R, C = sh.grid
     n = group_chunks(R, C, sh.tokens)
     Q, K, L, Qa, Ka = sh.Q, sh.K, sh.L, sh.Qa, sh.Ka
@@ -226,6 +228,7 @@ def attention2d_no(sh: Shape) -> Terms:
            + max(n * (Q + max(3 * Qa, sh.blk + sh.G)),
                  2 * C * Qa + Qa if C > 1 else 0,
                  (Qa if C > 1 else 0) + max(4 * R * K, 2 * R * K + 2 * Ka) if R > 1 else 0,
+                 4 * R * K + Q + max(3 * Qa, sh.blk + sh.G) if C == 1 and R > 1 and n == 1 else 0,
                  Qa + 2 * Ka + 4 * K + sh.G))
     return Terms(saved, fwd, bwd)
 
