@@ -45,7 +45,7 @@ gather (2 GPUs over sockets: a gather there takes longer than the whole local bl
 waits for them. On an R x 1 grid (P = 2's 2 x 1) the backward's dK, dV exchange (line 8) is hidden too: the own
 pair is split by keys (`own_split`), keys [:s1] first (behind the gather), then the column's other chunks' pairs,
 then their partials posted to their owners and the own keys [s1:] computed while they travel (`_backward_split`:
-two kernel calls more, the same bytes; on 2 x H200 over NVLink the rank's local work equals ring's while the
+one or two kernel calls more, the same bytes; on 2 x H200 over NVLink the rank's local work equals ring's while the
 exchange waited, 10 ms of a 241 ms fwd+bwd went to communication). The own Q chunk's O is this rank's: no surrogate.
 
 Attention2D-O (Alg. 4-11) overlaps the same communication with the computation: see `attention2d_o.py`.
@@ -295,7 +295,8 @@ def _backward_split(grid: CPGrid, grp: ChunkGroups, s1: int, dq_part, dkv_part, 
     """Line 6 on an R x 1 grid (`own_split`), with line 8's dK, dV exchange behind the compute: the own pair's keys
     [:s1] (behind the column's gather), the column's other K, V chunks' pairs, their partials posted to their owners
     (`reduce_at_owner_start`), then the own pair's keys [s1:] while they travel. Returns the own chunk's dK, dV sum
-    [2, b, s, h_kv, d] (fp32). Same calls as the plain order but two more (the own pair in three), same bytes."""
+    [2, b, s, h_kv, d] (fp32). The plain order's calls and two more (the own pair in three; one more, in two,
+    not causal), the same bytes."""
     q, do, o, lse = own                             # the row's one Q chunk is this rank's: its O is here, no surrogate
     a0, c0 = 0, grid.i
     mask = pair_mask(grp.q_res[a0], grp.kv_res[c0], causal)
