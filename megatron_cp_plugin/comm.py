@@ -479,12 +479,10 @@ def reduce_at_owner(group, x: torch.Tensor, me: int, wire: torch.dtype, stats=No
     if group is None:
         return x[0]
     # A strided x is cast (or copied) straight into a contiguous send buffer: one pass.
-    (got,) = all_to_all(group, [x.to(wire, memory_format=torch.contiguous_format)], stats, phase)
+    posted = all_to_all_start(group, [x.to(wire, memory_format=torch.contiguous_format)], stats, phase)
     if wire == x.dtype:                          # the own chunk came back as sent: x[me], unrounded
-        return got.sum(0)
-    # The others' partials summed in x's dtype as they are read (no upcast copy), then the own one, unrounded.
-    got[me].zero_()
-    return torch.sum(got, 0, dtype=x.dtype).add_(x[me])
+        return posted.wait()[0].sum(0)
+    return PostedReduce(posted, me, x.dtype).wait(x[me])
 
 
 class PostedReduce:
@@ -495,8 +493,10 @@ class PostedReduce:
         self.posted, self.me, self.dtype = posted, me, dtype
 
     def wait(self, own: torch.Tensor) -> torch.Tensor:
+        """The others' partials summed in x's dtype as they are read (no upcast copy), then `own`, unrounded (the
+        chunk that travelled to itself is dropped: rounded to the wire, and unfinished where posted early)."""
         (got,) = self.posted.wait()
-        got[self.me].zero_()                        # what travelled to itself: x[me] when posted, not final then
+        got[self.me].zero_()
         return torch.sum(got, 0, dtype=self.dtype).add_(own)
 
 

@@ -228,7 +228,7 @@ def attention2d_no(sh: Shape) -> Terms:
            + max(n * (Q + max(3 * Qa, sh.blk + sh.G)),
                  2 * C * Qa + Qa if C > 1 else 0,
                  (Qa if C > 1 else 0) + max(4 * R * K, 2 * R * K + 2 * Ka) if R > 1 else 0,
-                 4 * R * K + Q + max(3 * Qa, sh.blk + sh.G) if C == 1 and R > 1 and n == 1 else 0,
+                 4 * R * K + Q + max(3 * Qa, sh.blk + sh.G) if C == 1 and R > 1 else 0,
                  Qa + 2 * Ka + 4 * K + sh.G))
     return Terms(saved, fwd, bwd)
 
