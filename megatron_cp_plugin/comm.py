@@ -5,6 +5,7 @@ global process-group state.
 """
 from __future__ import annotations
 
+import copy
 import datetime
 import math
 
@@ -182,26 +183,36 @@ def choose_grid(world: int, *, h: int = 1, h_kv: int = 1) -> tuple[int, int]:
     return min(cands, key=lambda rc: (cost(rc), rc[0]))
 
 
-MAX_GROUP_TOKENS = 16384
-"""Most query tokens (b x rows) one grouped Attention2D-NO kernel call takes (`group_chunks`), where groups of
-chunks make calls larger than one chunk pair's: the call's output, gradients and workspace grow with its rows (the
-memory planner counts n times a pair call's). Larger calls are faster: on one H200 (2026-11-28, one or two timed
-calls a row, docs/results/group_tokens_ab_s24/) 32768 took Attention2D-NO's rank from 985.8 to 933.8 ms at 1M over
-8 x 8 (128 kernel calls to 32) and from 1.118x to 1.043x ring at 128k over 4 x 4. It stays 16384 because at 32768
-the planner's transient for GPT-3 13B at 128k on 16 80-GB GPUs (4 x 4, 8k tokens a rank) grows by 1.87 GiB and
-its layout moves from fsdp-optim_grads_params (74.17 GiB) to +recompute: the cap should be the planner's choice
-per run, the largest that fits. Groups are made smaller (more calls) to stay within it, down to
-one chunk pair per call, whatever its size."""
+GROUP_TOKENS = (32768, 16384)
+"""The caps on query tokens (b x rows) one grouped Attention2D kernel call may take (`group_chunks`, Attention2D-O's
+`batch_cap`), largest first: the memory planner gives a run the largest whose transient fits (cost/memory.py
+`fit`; `--cp-group-tokens` fixes one). Larger calls are faster: on one H200 (2026-11-28, one or two timed calls a
+row, docs/results/group_tokens_ab_s24/) 32768 took Attention2D-NO's rank from 985.8 to 933.8 ms at 1M over 8 x 8
+(128 kernel calls to 32) and from 1.118x to 1.043x ring at 128k over 4 x 4. But a call's output, gradients and
+workspace grow with its rows (the planner counts n times a pair call's): at 32768 the planner's transient for
+GPT-3 13B at 128k on 16 80-GB GPUs (4 x 4, 8k tokens a rank) grows by 1.87 GiB, which moves it from
+fsdp-optim_grads_params (74.17 GiB) to +recompute, so that run keeps 16384. Groups are made smaller (more calls)
+to stay within the cap, down to one chunk pair per call, whatever its size."""
+
+MAX_GROUP_TOKENS = GROUP_TOKENS[0]
+"""The cap where no planner chose one (the library's functions, the benchmarks): the largest."""
 
 
-def group_chunks(rows: int, cols: int, tokens: int) -> int:
+def check_group_tokens(value, what: str = "--cp-group-tokens") -> int:
+    """`value` as a group cap (a positive number of query tokens), else ValueError naming `what`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{what} must be a positive number of query tokens (e.g. {GROUP_TOKENS[0]}), got {value!r}")
+    return value
+
+
+def group_chunks(rows: int, cols: int, tokens: int, cap: int = MAX_GROUP_TOKENS) -> int:
     """Attention2D-NO's chunks per kernel call (algos/attention2d.py, `chunk_groups`) on an R x C grid, column-major
     placement, for shards of `tokens` (b x s): the largest divisor n of gcd(R, C) (T = P / n, a multiple of
     lcm(R, C), splits both the row's Q chunks, residues i + cR, and the column's K, V chunks, residues j + rC) with
-    n x tokens <= MAX_GROUP_TOKENS, else 1. A square grid is then one call per rank (n = R = C: the paper's one
+    n x tokens <= `cap` (GROUP_TOKENS), else 1. A square grid is then one call per rank (n = R = C: the paper's one
     FlashAttn of line 5) while R s tokens fit, an R x C grid with R = kC (or C = kR) k calls of n = min(R, C)."""
     g = math.gcd(rows, cols)
-    return max([n for n in range(1, g + 1) if g % n == 0 and n * tokens <= MAX_GROUP_TOKENS], default=1)
+    return max([n for n in range(1, g + 1) if g % n == 0 and n * tokens <= cap], default=1)
 
 
 OVERLAP_MIN_LOCAL = 8192
@@ -233,9 +244,12 @@ class CPGrid:
     Tokens are cyclic over group ranks in both cases (token t on group rank t mod P).
     `row` and `col` are process groups over the rank's grid row and column, created with local
     synchronisation, so only their members take part; every rank of `group` must build its grid.
+    `group_tokens`: the most query tokens one grouped kernel call takes (GROUP_TOKENS; `with_group_tokens`).
     """
 
-    def __init__(self, group, rows: int, cols: int, gpus_per_node: int | None = None):
+    def __init__(self, group, rows: int, cols: int, gpus_per_node: int | None = None,
+                 group_tokens: int = MAX_GROUP_TOKENS):
+        self.group_tokens = check_group_tokens(group_tokens, "group_tokens")
         world = dist.get_world_size(group)
         if rows < 1 or cols < 1 or rows * cols != world:
             raise ValueError(f"grid: rows x cols = {rows} x {cols} must equal the group size {world}")
@@ -258,6 +272,14 @@ class CPGrid:
 
     def position(self, p: int) -> tuple[int, int]:
         return grid_position(p, self.rows, self.cols, self.row_major)
+
+    def with_group_tokens(self, cap: int) -> "CPGrid":
+        """This grid (its process groups shared, none created) with another group cap."""
+        if cap == self.group_tokens:
+            return self
+        out = copy.copy(self)
+        out.group_tokens = check_group_tokens(cap, "group_tokens")
+        return out
 
     def at(self, i: int, j: int) -> int:
         """The group rank at grid position (i, j)."""
@@ -530,15 +552,16 @@ _GRIDS: dict = {}
 
 
 def get_grid(group, shape: tuple[int, int] | None = None, *, h: int = 1, h_kv: int = 1,
-             gpus_per_node: int | None = None) -> CPGrid:
-    """The CPGrid over `group` with `shape` (rows, cols), or `choose_grid`'s for the heads when None; built once
-    per (group, shape, placement) and reused, since building one creates its row and column groups (every rank
-    of `group` must make the first call for a given key together)."""
+             gpus_per_node: int | None = None, group_tokens: int | None = None) -> CPGrid:
+    """The CPGrid over `group` with `shape` (rows, cols), or `choose_grid`'s for the heads when None, and the group
+    cap `group_tokens` (None: MAX_GROUP_TOKENS); its process groups are built once per (group, shape, placement)
+    and reused, since building them is collective (every rank of `group` must make the first call for a given key
+    together)."""
     rows, cols = shape or choose_grid(dist.get_world_size(group), h=h, h_kv=h_kv)
     key = (group, rows, cols, gpus_per_node)
     if key not in _GRIDS:
         _GRIDS[key] = CPGrid(group, rows, cols, gpus_per_node)
-    return _GRIDS[key]
+    return _GRIDS[key].with_group_tokens(MAX_GROUP_TOKENS if group_tokens is None else group_tokens)
 
 
 def serve_store(timeout_s: float = 300.0) -> dist.TCPStore:

@@ -91,7 +91,7 @@ def _case(rank, world, algo, dtype, causal, h, hk, d, seed, group=None):
 
 def _cases(rank, world, algo, dtype, grid=None):
     """Runs every case (a rank that stopped early would leave the others waiting), then reports failures.
-    grid: (rows, cols, gpus_per_node) for Attention2D, or None for the default grid."""
+    grid: (rows, cols, gpus_per_node[, group_tokens]) for Attention2D, or None for the default grid."""
     group = mcp.CPGrid(dist.group.WORLD, *grid) if grid else None
     bad = []
     for i, (causal, (h, hk), d) in enumerate(itertools.product((True, False), HEADS, HEAD_DIMS)):
@@ -383,13 +383,8 @@ def test_attention2d_explicit_grids(pools, world, grid, algo):
 
 
 def _capped_cases(rank, world, algo, dtype, grid, max_tokens):
-    """_cases with comm.MAX_GROUP_TOKENS set to max_tokens in this rank (b s = 20 query rows a chunk here)."""
-    from megatron_cp_plugin import comm
-    keep, comm.MAX_GROUP_TOKENS = comm.MAX_GROUP_TOKENS, max_tokens
-    try:
-        return _cases(rank, world, algo, dtype, grid)
-    finally:
-        comm.MAX_GROUP_TOKENS = keep
+    """_cases on a grid whose group cap (CPGrid.group_tokens) is max_tokens (b s = 20 query rows a chunk here)."""
+    return _cases(rank, world, algo, dtype, grid + (max_tokens,))
 
 
 @pytest.mark.parametrize("max_tokens", [20, 40])

@@ -152,3 +152,20 @@ def test_13b_at_64k_on_two_h200s_fits_only_with_the_layer_inputs_on_the_host(gpu
     from megatron_cp_plugin.training.config import build_parser
     with pytest.raises(ValueError, match="--offload-layer-inputs is megatron-cp-pretrain's"):
         megatron_lm_flags(parse_args(flags + args), build_parser(), world_size=2, layout="fsdp+recompute")
+
+
+def test_a_fitting_run_gets_the_largest_group_cap_that_fits(gpus):
+    """GPT-3 13B at 128k, CP = 16, attention2d-no, Megatron-FSDP ZeRO-3: on 79.1-GiB GPUs the check passes with
+    --cp-group-tokens set to 16384 (32768 does not fit), on 139.8-GiB ones to 32768; a given cap is kept, and one
+    that does not fit is refused."""
+    flags = ["--config", str(REPO / "configs/gpt3-13b.toml"), "--seq-length", "131072", "--context-parallel-algo",
+             "attention2d-no", "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"]
+    for gib, cap in ((79.1, 16384), (H200, 32768)):
+        gpus(16, gib)
+        a = parse_args(flags)
+        assert memory_check.refusal(a, 16) is None and a.cp_group_tokens == cap
+    gpus(16, 79.1)
+    a = parse_args(flags + ["--cp-group-tokens", "8192"])
+    assert memory_check.refusal(a, 16) is None and a.cp_group_tokens == 8192
+    assert memory_check.refusal(parse_args(flags + ["--cp-group-tokens", "32768"]), 16).startswith(
+        "the memory plan (fsdp-optim_grads_params, CP = 16) needs")

@@ -432,3 +432,44 @@ def test_offloaded_layer_inputs_leave_no_layer_on_the_gpu():
     for bad in (dict(recompute=False), dict(pp=2)):
         with pytest.raises(ValueError, match="only with full recompute and no pipeline stages"):
             plan.Layout(**{"zero": "zero1", "pp": 1, "recompute": True, "offload": True, **bad})
+
+
+# ------------------------------------------------------- Attention2D's group cap, the largest that fits (memory.fit)
+GPT3_13B_128K = ["--config", str(REPO / "configs/gpt3-13b.toml"), "--seq-length", "131072", "--context-parallel-algo",
+                 "attention2d-no"]
+
+
+def test_the_planner_gives_attention2d_the_largest_group_cap_that_fits():
+    """GPT-3 13B at 128k on 16 GPUs of 79.1 GiB, attention2d-no on 4 x 4 (8k tokens a rank): with 32768 query rows a
+    call (4 chunks) its fsdp-optim_grads_params peak misses, with 16384 (2 chunks) it fits, so the planner keeps
+    that layout at 16384 and says so in its flags; a 139.8-GiB GPU gets 32768; ring has no cap; a cap the flags fix
+    is planned as given. Red when `fit` takes the default cap."""
+    from dataclasses import replace
+
+    from megatron_cp_plugin import comm
+    m = plan.model_from_args(parse_args(GPT3_13B_128K))
+    zero3 = plan.Layout("fsdp-optim_grads_params")
+    at = {cap: plan.estimate(replace(m, group_tokens=cap), zero3, 16).total / plan.GiB for cap in comm.GROUP_TOKENS}
+    assert at[32768] + 4 > 79.1 >= at[16384] + 4 and at[32768] - at[16384] > 1.0, at
+    assert plan.fit(m, zero3, 16, 79.1).group_tokens == 16384
+    assert plan.fit(m, zero3, 16, 139.8).group_tokens == 32768
+    assert plan.recommend(m, 16, 79.1) == "fsdp-optim_grads_params"
+    row = next(r for r in plan.plan(m, 16, 79.1) if r["layout"] == zero3.name)
+    assert row["fits"] and row["group_tokens"] == 16384 and row["flags"].endswith(" --cp-group-tokens 16384")
+    assert plan.fit(replace(m, algo="ring"), zero3, 16, 79.1).group_tokens is None
+    assert plan.fit(replace(m, group_tokens=32768), zero3, 16, 79.1).group_tokens == 32768
+
+
+def test_the_launch_scripts_pass_the_planned_group_cap(capsys):
+    """launch_plan's training arguments carry the cap the plan was sized at (both trainers), not where the flags
+    give one or the algorithm has no grouped calls."""
+    out = {}
+    for trainer in ("plugin", "megatron-lm"):
+        for extra in ([], ["--cp-group-tokens", "8192"], ["--context-parallel-algo", "ring"]):
+            assert launch_plan.main(["--trainer", trainer, "--gpus", "16", "--gpu-mem", "79.1", "--",
+                                     *GPT3_13B_128K, *extra]) == 0
+            args = capsys.readouterr().out.splitlines()[1:]
+            out[trainer, tuple(extra)] = [args[i + 1] for i, x in enumerate(args) if x == "--cp-group-tokens"]
+    assert out["plugin", ()] == ["16384"] and out["megatron-lm", ()] == ["16384"], out
+    assert all(out[t, ("--cp-group-tokens", "8192")] == ["8192"] for t in ("plugin", "megatron-lm")), out
+    assert all(out[t, ("--context-parallel-algo", "ring")] == [] for t in ("plugin", "megatron-lm")), out

@@ -306,6 +306,22 @@ def test_attention2d_no_computes_the_own_keys_while_its_dkv_partials_travel(monk
     assert bwd == ["block_bwd_into"] * (2 + P - 1) + ["post", "block_bwd_into", "summed"], bwd
 
 
+@pytest.mark.parametrize("cap,calls", [(32, 1), (31, 4), (16, 4), (15, 16), (8, 16)])
+def test_attention2d_no_groups_its_calls_within_the_grids_cap(monkeypatch, cap, calls):
+    """The grid's group cap (CPGrid.group_tokens, --cp-group-tokens) bounds the query tokens of one grouped kernel
+    call: on 4 x 4 with 8 tokens a rank, groups of n = 4 chunks (32 rows, 1 call a pass), n = 2 (16 rows, 2 x 2
+    calls) or n = 1 (16 calls), forward and backward alike. Red with the grid's cap ignored."""
+    from megatron_cp_plugin.algos import attention2d
+    from megatron_cp_plugin.bench.rank_replay import RankReplay, _shards
+
+    events = _call_order(monkeypatch, attention2d, ("block_fwd_into", "block_bwd_into"))
+    rep = RankReplay("attention2d-no", 16, 5, *_shards(8 * 16, 16, 2, 2, 8, torch.device("cpu"), torch.float32),
+                     grid=(4, 4), group_tokens=cap)
+    rep()
+    assert rep.group.group_tokens == cap
+    assert events.count("block_fwd_into") == calls and events.count("block_bwd_into") == calls, events
+
+
 def test_a_posted_batch_lands_in_one_copy_per_dtype(monkeypatch):
     """A batch of receives of mixed dtypes (burst's Q, dO bf16 and D, lse fp32) is one multi-tensor copy a dtype, not
     foreach's slow path of one copy a tensor; the bytes land where they belong. Red with the grouping removed."""

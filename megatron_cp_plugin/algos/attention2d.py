@@ -30,11 +30,11 @@ i + cR and the column's K, V chunks j + rC, so for T a multiple of lcm(R, C) the
 chunks with residues a, a + T, ..; interleaved, a group's rows are the tokens a + Tu in order, and a (Q group,
 K, V group) pair is again one triangle, by the rule above with T for P (`ChunkGroups`). A square grid is one
 call per rank (n = R = C), an R x C grid with R = kC (or C = kR) k calls of n = min(R, C) chunks, each of at
-most comm.MAX_GROUP_TOKENS query rows (smaller groups, more calls, beyond it); on the node-aware placement every
-pair stays a call of its own. Interleaving costs one copy of the gathered Q, dO and K, V (none where n = 1);
-merges and accumulator adds fall from one per chunk pair to one per group pair. Packed sequences (each document
-cyclic on its own) keep this per document: every chunk holds 1/P of each document, so each pair is one varlen
-call over the documents, cu_seqlens * n / P, with the pair's mask inside each document.
+most the grid's group_tokens query rows (comm.GROUP_TOKENS; smaller groups, more calls, beyond it); on the
+node-aware placement every pair stays a call of its own. Interleaving costs one copy of the gathered Q, dO and
+K, V (none where n = 1); merges and accumulator adds fall from one per chunk pair to one per group pair. Packed
+sequences (each document cyclic on its own) keep this per document: every chunk holds 1/P of each document, so
+each pair is one varlen call over the documents, cu_seqlens * n / P, with the pair's mask inside each document.
 
 Where every chunk pair is a call of its own (groups of one chunk: rectangular grids, P = 2's 2 x 1, shards too
 long to group, the node-aware placement), the gathers are posted and the rank computes while they travel: first
@@ -134,7 +134,7 @@ def chunk_groups(grid: CPGrid, tokens: int) -> ChunkGroups:
             return None
         return tuple(res[:k])
 
-    n = group_chunks(grid.rows, grid.cols, tokens)
+    n = group_chunks(grid.rows, grid.cols, tokens, grid.group_tokens)
     qg, kg = split(q_res, n), split(kv_res, n)
     if qg is None or kg is None:
         n, qg, kg = 1, tuple(q_res), tuple(kv_res)

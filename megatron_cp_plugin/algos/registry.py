@@ -62,6 +62,9 @@ class Algorithm:
     default_grid: str | Callable | None = None
     """A grid algorithm's grid for a plain group and no --cp-grid: (world, h, h_kv) -> (rows, cols), or its
     "module:function" path; None: comm.choose_grid's (Attention2D's byte-minimising one)."""
+    grouped: bool = False
+    """Its kernel calls take several chunks at once, up to the grid's cap on query tokens (comm.GROUP_TOKENS,
+    CPGrid.group_tokens; --cp-group-tokens applies, and the memory planner chooses it)."""
 
     def __post_init__(self):
         if self.layout not in CHUNKS_PER_RANK:
@@ -199,9 +202,10 @@ for _row in (
               "BurstAttention (Alg. 1-2): ring forward; the backward keeps K, V and circulates Q, dQ, dO, D, lse"),
     Algorithm("attention2d-no", "cyclic", "attention2d", True, ".attention2d:attention2d_no",
               "..cost.model:attention2d_cost",
-              "Attention2D (Alg. 1-3): an R x C grid of GPUs, cyclic tokens, NCCL collectives"),
+              "Attention2D (Alg. 1-3): an R x C grid of GPUs, cyclic tokens, NCCL collectives", grouped=True),
     Algorithm("attention2d-o", "cyclic", "attention2d", True, ".attention2d_o:attention2d_o",
-              "..cost.model:attention2d_cost", "the same with overlapped ring communication (Alg. 4-11)"),
+              "..cost.model:attention2d_cost", "the same with overlapped ring communication (Alg. 4-11)",
+              grouped=True),
     Algorithm("allgather", "zigzag", "allgather", False, ".allgather:allgather_attention",
               "..cost.collective:allgather_cost",
               "K, V all-gathered, dK, dV summed at their owners: TransformerEngine's `cp_comm_type=all_gather`"),

@@ -58,7 +58,8 @@ def input_bytes(S: int, *, h: int, hk: int, d: int, elem: int, b: int = 1) -> in
 
 
 def attention_need(algo: str, S: int, P: int, *, h: int, hk: int, d: int, elem: int, b: int = 1, grid=None,
-                   packed: bool = False, shards: bool = True, grouped: bool = True) -> float:
+                   packed: bool = False, shards: bool = True, grouped: bool = True,
+                   group_tokens: int = comm.MAX_GROUP_TOKENS) -> float:
     """Bytes one rank newly allocates for one fwd+bwd of `algo` over P ranks on S tokens, beyond the full inputs
     (input_bytes); algo "single": one device on the whole sequence (P = 1), the reference row. The code's own
     buffers at the peak of the forward (F) or of the backward (B, with the saved o, lse), times MARGIN:
@@ -98,7 +99,7 @@ def attention_need(algo: str, S: int, P: int, *, h: int, hk: int, d: int, elem: 
       packed     + the reordered q, k, v and o copies and their gradients (4Q + 4K)
 
     grid: (R, C) of a grid algorithm (default: the registry's for P and the heads); grouped=False: allgather as
-    one call per owner (what the torch-cp anchors do)."""
+    one call per owner (what the torch-cp anchors do); group_tokens: Attention2D's cap (CPGrid.group_tokens)."""
     algo = ANCHOR_AS.get(algo, algo)
     e, a = elem, 8 if elem == 8 else 4
     s = S // P
@@ -153,7 +154,7 @@ def attention_need(algo: str, S: int, P: int, *, h: int, hk: int, d: int, elem: 
         B = max(5 * Q, Q + heads + ws + ring_b, 6 * heads + 2 * Ka)
     elif algo == "attention2d-no":
         R, C = grid or registry.get(algo).grid_shape(P, h, hk)
-        n = group_chunks(R, C, b * s)                           # chunks per kernel call (column-major placement)
+        n = group_chunks(R, C, b * s, group_tokens)             # chunks per kernel call (column-major placement)
         gq, gkv = (C * Q if C > 1 else 0), (2 * R * K if R > 1 else 0)  # a group of one gathers nothing
         saved = 2 * K + Q + L
         # (one more copy of a gathered tensor: rank_replay's all-gather echo while preparing, and with n > 1 the
@@ -173,7 +174,7 @@ def attention_need(algo: str, S: int, P: int, *, h: int, hk: int, d: int, elem: 
         travel = 0 if R == 1 else 4 * K if R == 2 else 4 * Ka   # dK, dV arriving and sent (R = 2: in the input dtype)
         # batched passes (attention2d_o.batch_cap chunks a call, > 1 only for small chunks): the stacked column,
         # a call's repeated Q block, output and lse, and backward its repeated Q, dO, O, lse and gradients
-        m = min(R, max(1, comm.MAX_GROUP_TOKENS // max(1, b * s))) if R > 1 and C > 1 else 1
+        m = min(R, max(1, group_tokens // max(1, b * s))) if R > 1 and C > 1 else 1
         stack = 2 * R * K if m > 1 else 0
         batched = stack + m * (4 * Q + 2 * K + L) + Qa if m > 1 and C > 2 else 0
         saved = 2 * K + Q + L

@@ -48,7 +48,9 @@ def parse_layout(name: str, trainer: str) -> plan.Layout:
 
 
 def choose(a, trainer: str, layout: str, gpus: int, gpu_mem: float, headroom: float, force: bool):
-    """(layout or None when unchecked, the plan line, an error line or None)."""
+    """(layout or None when unchecked, the plan line, an error line or None). Each layout is sized at the group
+    cap it gets (plan.fit); where the flags leave the cap open and the chosen layout's algorithm makes grouped
+    calls (Attention2D), a.cp_group_tokens is set to that cap, which the training command then passes."""
     try:
         m = plan.model_from_args(a)
     except ValueError as e:                       # TP > 1: the planner cannot say
@@ -60,14 +62,18 @@ def choose(a, trainer: str, layout: str, gpus: int, gpu_mem: float, headroom: fl
         options = [config_layout(a)] + [lay for lay in candidates(a, m, cp_gpus, trainer) if lay != config_layout(a)]
     else:
         options = [config_layout(a) if layout == "config" else parse_layout(layout, trainer)]
-    sized = [(lay, plan.estimate(m, lay, cp_gpus, fused).total / plan.GiB) for lay in options
-             if cp_gpus % lay.pp == 0 and m.layers % lay.pp == 0]
+    fitted = {lay: plan.fit(m, lay, cp_gpus, gpu_mem, headroom, fused) for lay in options
+              if cp_gpus % lay.pp == 0 and m.layers % lay.pp == 0}
+    sized = [(lay, est.total / plan.GiB) for lay, est in fitted.items()]
     if not sized:
         return None, "plan: -", f"launch: LAYOUT={layout}: no layout applies to {cp_gpus} GPUs and {m.layers} layers"
     fits = [(lay, gib) for lay, gib in sized if gib + headroom <= gpu_mem]
     lay, gib = fits[0] if fits else min(sized, key=lambda x: x[1])
-    line = f"plan: {gib:.1f} GiB per GPU of {gpu_mem:g} GiB ({lay.name})"
+    cap = fitted[lay].group_tokens
+    line = f"plan: {gib:.1f} GiB per GPU of {gpu_mem:g} GiB ({lay.name})"      # launch/prepare.sh's format
     if fits or force:
+        if cap is not None and m.group_tokens is None:
+            a.cp_group_tokens = cap
         return lay, line, None
     what = f"{m.params / 1e9:.1f}B parameters, sequence {m.seq}, {cp_gpus} GPUs"
     if layout == "auto":
@@ -76,7 +82,7 @@ def choose(a, trainer: str, layout: str, gpus: int, gpu_mem: float, headroom: fl
     else:
         others = candidates(a, m, cp_gpus, trainer)
         alt = next((o.name for o in others
-                    if plan.estimate(m, o, cp_gpus, fused).total / plan.GiB + headroom <= gpu_mem), None)
+                    if plan.fit(m, o, cp_gpus, gpu_mem, headroom, fused).total / plan.GiB + headroom <= gpu_mem), None)
         err = (f"launch: LAYOUT={layout} ({lay.name}) needs {gib:.1f} GiB + {headroom:g} GiB headroom per GPU of "
                f"{gpu_mem:g} GiB ({what}); " + (f"{alt} fits (LAYOUT=auto picks it)" if alt else "nothing fits")
                + "; PLAN_FORCE=1 starts it anyway")
@@ -104,12 +110,14 @@ def main(argv=None) -> int:
     from ..training.config import build_parser, parse_args
     try:
         a = parse_args(rest)
+        given = a.cp_group_tokens
         lay, line, err = choose(a, ns.trainer, ns.layout, ns.gpus, ns.gpu_mem, ns.headroom, ns.force)
         if err:
             print(err, file=sys.stderr)
             return 3
         if ns.trainer == "plugin":
             out = rest + (layout_args(lay) if lay is not None and ns.layout != "config" else [])
+            out += ["--cp-group-tokens", str(a.cp_group_tokens)] if a.cp_group_tokens != given else []
         else:
             from ..megatron_lm.flags import megatron_lm_flags
             from ..megatron_lm.patching import release_of

@@ -13,8 +13,8 @@ import json
 import sys
 
 from ..cost.memory import (  # noqa: F401
-    COUNTS, GiB, Estimate, Layout, Model, PREFERENCE, REPORTED_GIB, ZERO_LAYOUTS, estimate, layouts, plan, recommend,
-    recommendation_line, recommendations, reported_gib, static_bytes)
+    COUNTS, GiB, Estimate, Layout, Model, PREFERENCE, REPORTED_GIB, ZERO_LAYOUTS, estimate, fit, layouts, plan,
+    recommend, recommendation_line, recommendations, reported_gib, static_bytes)
 from ..training.memory_check import model_from_args  # noqa: F401  (reads the trainer's flags)
 
 
@@ -50,6 +50,7 @@ def main(argv=None) -> int:
           f"({where}), {args.headroom:g} GiB headroom; GiB per GPU")
     cols = ("layout", "CP", "tokens/GPU", "weights", "grads", "optimizer", "activations", "transient", "total", "fits",
             "peak", "algo")
+    cols += ("group_tokens",) if any(r["group_tokens"] for r in rows) else ()    # Attention2D's cap (memory.fit)
     print(" | ".join(f"{c:>24}" if c == "layout" else f"{c:>11}" for c in cols))
     for r in rows:
         print(" | ".join(f"{r[c]:>24}" if c == "layout" else f"{r[c]:>11.2f}" if isinstance(r[c], float)

@@ -51,6 +51,7 @@ import time
 
 import torch
 
+from .. import comm
 from ._common import FLOP_FORMULA, attention_flop, not_fitting, write_report
 from ._replay_comm import ReplayDist
 from .rank_replay import (ALGOS, GRID_ALGOS, RankReplay, _shards, _sync, count_launches, fit, grids, measure,
@@ -86,11 +87,11 @@ def _configs(algos, P, grid_names):
             yield algo, g
 
 
-def slowest_rank(algo, P, grid, shards, wire="stream") -> int:
+def slowest_rank(algo, P, grid, shards, wire="stream", group_tokens=comm.MAX_GROUP_TOKENS) -> int:
     """The rank index whose one fwd+bwd (after a preparing call) takes longest."""
     times = []
     for r in range(P):
-        rep = RankReplay(algo, P, r, *shards, grid=grid, wire=wire)
+        rep = RankReplay(algo, P, r, *shards, grid=grid, wire=wire, group_tokens=group_tokens)
         rep()
         times.append(sum(timed(rep)))
     return max(range(P), key=times.__getitem__)
@@ -104,6 +105,8 @@ def _check_args(p, a):
     for hk in a.kv_heads:
         if max(a.heads) % hk:
             p.error(f"--kv-heads {hk} must divide --heads {a.heads[0]}")
+    if a.group_tokens < 1:
+        p.error(f"--group-tokens must be a positive number of query tokens, got {a.group_tokens}")
     if a.passes < 1 or a.iters < 1:
         p.error(f"--passes and --iters must be at least 1, got {a.passes} and {a.iters}")
     if a.rank is not None and not all(0 <= a.rank < P for P in a.cp):
@@ -124,6 +127,9 @@ def main(argv=None):
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--algos", nargs="+", default=list(ALGOS))
     p.add_argument("--grids", nargs="+", default=["square", "rect"], help="Attention2D: square, rect or RxC")
+    p.add_argument("--group-tokens", type=int, default=comm.MAX_GROUP_TOKENS,
+                   help="Attention2D's cap on one grouped kernel call's query tokens (comm.GROUP_TOKENS; default "
+                        "%(default)s, the largest, what a run gets where the memory planner finds room)"),
     p.add_argument("--rank", type=int, default=None, help="replay this rank (default: the slowest, found by "
                    "running every rank once at the first length)")
     p.add_argument("--wire", choices=ReplayDist.WIRES, default="stream", help="where the replayed receives run on a "
@@ -190,7 +196,7 @@ def main(argv=None):
                     row = {"S": S, "h/h_kv": f"{h}/{hk}", "P": P, "algo": algo,
                            "grid": f"{grid[0]}x{grid[1]}" if grid else "-"}
                     row["not_run"] = why_shards or not_fitting(
-                        replay_need(algo, S, P, h, hk, d, dtype.itemsize, grid), dev)
+                        replay_need(algo, S, P, h, hk, d, dtype.itemsize, grid, a.group_tokens), dev)
                     rows.append(row)
                     if row["not_run"]:
                         print(f"rank_replay: S={S} h/h_kv={h}/{hk} P={P} {algo} {row['grid']}: {row['not_run']}",
@@ -217,8 +223,9 @@ def main(argv=None):
                         key = (algo, grid, P, hk)
                         if key not in picked:
                             picked[key] = [a.rank if a.rank is not None else
-                                           slowest_rank(algo, P, grid, shards, a.wire), None]
-                        rep = RankReplay(algo, P, picked[key][0], *shards, grid=grid, wire=a.wire)
+                                           slowest_rank(algo, P, grid, shards, a.wire, a.group_tokens), None]
+                        rep = RankReplay(algo, P, picked[key][0], *shards, grid=grid, wire=a.wire,
+                                         group_tokens=a.group_tokens)
                         t0 = time.perf_counter()
                         rep()                                             # prepares the receives
                         _sync(dev)

@@ -62,7 +62,8 @@ class RankReplay:
     """Rank `rank` of `algo` over P ranks (grid (R, C) for Attention2D) on local shards q, k, v, do.
     `source`: the receives to replay (None: prepared by the first call, echoing this rank's own sends)."""
 
-    def __init__(self, algo, P, rank, q, k, v, do, *, grid=None, backend=None, source=None, wire="stream"):
+    def __init__(self, algo, P, rank, q, k, v, do, *, grid=None, backend=None, source=None, wire="stream",
+                 group_tokens=comm.MAX_GROUP_TOKENS):
         if algo not in ALGOS:
             raise ValueError(f"algo must be one of {tuple(ALGOS)}, got {algo!r}")
         self.algo, self.fn, self.backend = algo, ALGOS[algo], backend
@@ -70,7 +71,8 @@ class RankReplay:
         self.do, self.scale = do, q.shape[-1] ** -0.5
         self.d = ReplayDist(P, rank, source, backend="nccl" if q.is_cuda else "gloo", wire=wire)
         with patched(self.d):
-            self.group = comm.CPGrid(self.d.WORLD, *grid) if algo in GRID_ALGOS else self.d.WORLD
+            self.group = (comm.CPGrid(self.d.WORLD, *grid, group_tokens=group_tokens) if algo in GRID_ALGOS
+                          else self.d.WORLD)
 
     def __call__(self, backward=True, mark=None):
         """One forward (and backward): (o, dq, dk, dv) or (o,). `mark()` runs between the two."""
@@ -288,11 +290,11 @@ def _receives(algo, P, h, hk, d, s, e, grid) -> int:
     return Q + 2 * K + Qa + L + 2 * Ka + 2 * K       # attention2d-o: ring blocks of Q, K, V, o / dQ, lse, dK, dV
 
 
-def replay_need(algo, S, P, h, hk, d, elem, grid=None) -> float:
+def replay_need(algo, S, P, h, hk, d, elem, grid=None, group_tokens=comm.MAX_GROUP_TOKENS) -> float:
     """Bytes one replayed rank allocates beyond its shards (q, k, v, dO, held for every row of a P): the rank's own
     buffers in a P-rank run (cp_attention.attention_need, shards=False) and the prepared receives (MARGIN on
     both)."""
-    return (attention_need(algo, S, P, h=h, hk=hk, d=d, elem=elem, grid=grid, shards=False)
+    return (attention_need(algo, S, P, h=h, hk=hk, d=d, elem=elem, grid=grid, shards=False, group_tokens=group_tokens)
             + MARGIN * _receives(algo, P, h, hk, d, S // P, elem, grid))
 
 

@@ -54,8 +54,10 @@ less them), so that the five columns add up to the total; `peak` names the momen
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from .. import comm
+from ..algos import registry
 from . import memory_terms as terms_mod
 from .memory_terms import layer_bytes, moments
 
@@ -103,6 +105,10 @@ class Model:
     registry.DEFAULT_ALGO, as in the plugin's commands."""
     grid: tuple[int, int] | None = None
     """--cp-grid (rows, cols) of a grid algorithm; None, or one of other than CP ranks: the registry's default."""
+    group_tokens: int | None = None
+    """--cp-group-tokens: Attention2D's cap on the query tokens of one grouped kernel call (comm.GROUP_TOKENS);
+    None: the planner's choice, the largest that fits (`fit`), and comm.MAX_GROUP_TOKENS where nothing is fitted
+    (`estimate`)."""
     rope_fused: bool = True
     """RoPE runs fused (kernels/rope.py; training/config.rope_fusion_on: GPU runs unless --no-rope-fusion or
     packed documents): autograd keeps the model's fp32 freqs table once instead of each layer's bf16 cos and sin."""
@@ -205,6 +211,8 @@ class Estimate:
     """The moment of the peak: loss, forward, backward, end (of the backward) or step."""
     step: float = 0.0
     """The optimizer step's temporaries (torch's foreach Adam: 4 bytes per parameter this GPU steps)."""
+    group_tokens: int | None = None
+    """The group cap planned (comm.GROUP_TOKENS); None where no algorithm planned makes grouped calls."""
 
     @property
     def total(self) -> float:
@@ -213,11 +221,17 @@ class Estimate:
     def row(self, gpu_mem_gib: float | None = None, headroom_gib: float = 0.0) -> dict:
         r = {"layout": self.layout.name, "CP": self.cp, "tokens/GPU": self.tokens,
              **{k: getattr(self, k) / GiB for k in ("weights", "grads", "optimizer", "activations", "transient",
-                                                   "total", "step")}, "peak": self.peak, "algo": self.algo}
+                                                   "total", "step")}, "peak": self.peak, "algo": self.algo,
+             "group_tokens": self.group_tokens}
         if gpu_mem_gib is not None:
             r["fits"] = self.total / GiB + headroom_gib <= gpu_mem_gib
-        r["flags"] = self.layout.flags()
+        r["flags"] = self.layout.flags() + group_flag(self.group_tokens)
         return r
+
+
+def group_flag(cap: int | None) -> str:
+    """" --cp-group-tokens N" for a cap below the default (what a run without the planner would use), else ""."""
+    return f" --cp-group-tokens {cap}" if cap is not None and cap != comm.MAX_GROUP_TOKENS else ""
 
 
 def static_bytes(m: Model, zero: str, params: float, shards: int) -> tuple[float, float, float]:
@@ -265,8 +279,27 @@ def estimate(m: Model, layout: Layout, gpus: int, fused_adam: bool | None = None
             parts = max(first, last, key=lambda x: sum(x[:5]))
         return Estimate(layout, cp, lb.attn.tokens, *parts[:5], algo=algo, peak=parts[5], step=parts[6])
 
-    return max((worst(a) for a in terms_mod.algorithms(m.algo, m.heads, cp, m.grid is not None)),
-               key=lambda x: x.total)
+    algos = terms_mod.algorithms(m.algo, m.heads, cp, m.grid is not None)
+    worst_est = max((worst(a) for a in algos), key=lambda x: x.total)
+    if cp > 1 and any(registry.get(a).grouped for a in algos):
+        worst_est.group_tokens = m.group_tokens or comm.MAX_GROUP_TOKENS
+    return worst_est
+
+
+def fit(m: Model, layout: Layout, gpus: int, gpu_mem_gib: float, headroom_gib: float = HEADROOM_GIB,
+        fused_adam: bool | None = None) -> Estimate:
+    """`estimate` at the group cap the run gets: m.group_tokens where given, else the largest of comm.GROUP_TOKENS
+    whose peak plus `headroom_gib` fits `gpu_mem_gib` (the smallest where none fits). Larger grouped calls are
+    faster (comm.GROUP_TOKENS) and only the Attention2D algorithms make them: for the others every cap gives the
+    same estimate, and the first is taken."""
+    est = estimate(m, layout, gpus, fused_adam)
+    if m.group_tokens is not None or est.group_tokens is None:
+        return est
+    for cap in comm.GROUP_TOKENS:
+        est = estimate(replace(m, group_tokens=cap), layout, gpus, fused_adam)
+        if est.total / GiB + headroom_gib <= gpu_mem_gib:
+            break
+    return est
 
 
 def layouts(m: Model, gpus: int) -> list[Layout]:
@@ -282,8 +315,9 @@ def layouts(m: Model, gpus: int) -> list[Layout]:
 
 def plan(m: Model, gpus: int, gpu_mem_gib: float, headroom_gib: float = HEADROOM_GIB,
          fused_adam: bool = False) -> list[dict]:
-    """One row per layout (GiB), ordered as layouts() lists them."""
-    return [estimate(m, lay, gpus, fused_adam).row(gpu_mem_gib, headroom_gib) for lay in layouts(m, gpus)]
+    """One row per layout (GiB), ordered as layouts() lists them, each at the group cap it gets (`fit`)."""
+    return [fit(m, lay, gpus, gpu_mem_gib, headroom_gib, fused_adam).row(gpu_mem_gib, headroom_gib)
+            for lay in layouts(m, gpus)]
 
 
 PREFERENCE = ("zero1", "fsdp-optim_grads", "fsdp-optim_grads_params")

@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass
 
 from ..algos import registry
+from ..comm import GROUP_TOKENS, MAX_GROUP_TOKENS, check_group_tokens
 from ..cost import HARDWARE, Problem, best_grid, choose_algo
 
 DEFAULT_HARDWARE = "h200-nvlink"
@@ -33,6 +34,10 @@ def add_cp_args(parser: argparse.ArgumentParser, default: str | None = None) -> 
     g.add_argument("--cp-grid", default=None, metavar="RxC",
                    help="grid of the grid algorithms, rows x cols = CP size: Attention2D's; ulysses-ring's R rings "
                         "across groups of C consecutive ranks that run the all-to-all")
+    g.add_argument("--cp-group-tokens", type=int, default=None, metavar="N",
+                   help=f"Attention2D: the most query tokens one grouped kernel call takes (larger calls are "
+                        f"faster and need more memory; default: the memory planner's largest that fits of "
+                        f"{', '.join(map(str, GROUP_TOKENS))}, {MAX_GROUP_TOKENS} where nothing plans)")
     g.add_argument("--cp-gpus-per-node", type=int, default=None, metavar="N",
                    help="GPUs per node: Attention2D keeps grid rows inside a node")
     # default None (= DEFAULT_HARDWARE) so that the choice line knows whether the user asked for a cluster
@@ -56,6 +61,9 @@ class CPConfig:
     algorithm (auto, attention2d), else comm.choose_grid's (the square or byte-minimising one)."""
     gpus_per_node: int | None = None
     """GPUs per node, for Attention2D's node-aware placement; None: column-major placement."""
+    group_tokens: int | None = None
+    """Attention2D's cap on the query tokens of one grouped kernel call (comm.GROUP_TOKENS); None: the default,
+    comm.MAX_GROUP_TOKENS (megatron-cp-pretrain's memory check sets the flag to the planner's choice)."""
     seq_length: int | None = None
     """Full sequence length, checked against the layout (2 * cp_size for zigzag, cp_size for cyclic)."""
     heads: int | None = None
@@ -87,6 +95,8 @@ class CPConfig:
                              f"but --context-parallel-size is {self.cp_size}")
         if self.gpus_per_node is not None and self.gpus_per_node < 1:
             raise ValueError(f"--cp-gpus-per-node must be >= 1, got {self.gpus_per_node}")
+        if self.group_tokens is not None:
+            check_group_tokens(self.group_tokens)
         if self.hardware not in HARDWARE:
             raise ValueError(f"--cp-hardware must be one of {sorted(HARDWARE)}, got {self.hardware!r}")
         if self.algo not in registry.names():
@@ -96,6 +106,10 @@ class CPConfig:
             grid_algos = ", ".join(r.name for r in registry.rows() if r.grid)
             raise ValueError(f"--cp-grid is for the grid algorithms ({grid_algos}), not --context-parallel-algo "
                              f"{self.algo}")
+        if self.group_tokens is not None and self.requested is None and not registry.get(self.algo).grouped:
+            grouped = ", ".join(r.name for r in registry.rows() if r.grouped)
+            raise ValueError(f"--cp-group-tokens is for the algorithms with grouped kernel calls ({grouped}), not "
+                             f"--context-parallel-algo {self.algo}")
         if self.seq_length is not None:
             registry.check_length(self.seq_length, self.algo, self.cp_size, "--seq-length")
 
@@ -117,7 +131,8 @@ class CPConfig:
         if self.gpus_per_node is not None:
             hw = dataclasses.replace(hw, gpus_per_node=self.gpus_per_node)
         pb = Problem(self.seq_length, self.cp_size, self.heads, self.kv_heads, self.head_dim or 128,
-                     self.micro_batch, self.dtype_bytes, grid=self.grid, node_aware=self.gpus_per_node is not None)
+                     self.micro_batch, self.dtype_bytes, grid=self.grid, node_aware=self.gpus_per_node is not None,
+                     group_tokens=self.group_tokens)
         algo, times = choose_algo(pb, hw, cands)
         if registry.get(algo).grid and self.grid is None:
             self.grid = best_grid(algo, pb, hw)        # the grid its predicted time was for
@@ -200,7 +215,8 @@ def config_from_args(args, log: bool = True) -> CPConfig:
     cfg = CPConfig(algo=args.context_parallel_algo or registry.DEFAULT_ALGO,
                    cp_size=getattr(args, "context_parallel_size", 1) or 1,
                    grid=parse_grid(getattr(args, "cp_grid", None)),
-                   gpus_per_node=getattr(args, "cp_gpus_per_node", None), seq_length=getattr(args, "seq_length", None),
+                   gpus_per_node=getattr(args, "cp_gpus_per_node", None),
+                   group_tokens=getattr(args, "cp_group_tokens", None), seq_length=getattr(args, "seq_length", None),
                    hardware=getattr(args, "cp_hardware", None) or DEFAULT_HARDWARE,
                    hardware_given=getattr(args, "cp_hardware", None) is not None, **_model_shape(args))
     if log:

@@ -28,13 +28,15 @@ from ..sharding import document_offsets
 class CPCoreAttention(MegatronModule):
     """Exact context-parallel attention over `pg_collection.cp` with `algo` (see megatron_cp_plugin.ALGORITHMS).
 
-    grid: (rows, cols) for Attention2D (None: `choose_grid`); gpus_per_node: node-aware grid placement.
+    grid: (rows, cols) for Attention2D (None: `choose_grid`); gpus_per_node: node-aware grid placement;
+    group_tokens: Attention2D's cap on one grouped kernel call's query tokens (None: comm.MAX_GROUP_TOKENS).
     """
 
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
                  cp_comm_type: str | None = None, pg_collection=None, *, algo: str,
-                 grid: tuple[int, int] | None = None, gpus_per_node: int | None = None, backend: str | None = None):
+                 grid: tuple[int, int] | None = None, gpus_per_node: int | None = None,
+                 group_tokens: int | None = None, backend: str | None = None):
         super().__init__(config=config)
         row = registry.get(algo)                                 # ValueError for an unknown algo
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
@@ -55,7 +57,7 @@ class CPCoreAttention(MegatronModule):
             h = config.num_attention_heads // tp
             h_kv = max(1, (config.num_query_groups or config.num_attention_heads) // tp)
             shape = grid or row.grid_shape(torch.distributed.get_world_size(cp), h, h_kv)
-            self.group = get_grid(cp, shape, gpus_per_node=gpus_per_node)
+            self.group = get_grid(cp, shape, gpus_per_node=gpus_per_node, group_tokens=group_tokens)
 
     def forward(self, query, key, value, attention_mask, /, *, attn_mask_type: AttnMaskType | None = None,
                 attention_bias=None, packed_seq_params=None):

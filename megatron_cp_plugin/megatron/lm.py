@@ -98,6 +98,7 @@ def layer_spec(args, config=None, vp_stage=None):
     cfg = resolve(args)
     use_te = args.transformer_impl == "transformer_engine"
     return get_gpt_layer_spec(cfg.algo, grid=cfg.grid, gpus_per_node=cfg.gpus_per_node,
+                              group_tokens=cfg.group_tokens,
                               num_experts=args.num_experts, moe_grouped_gemm=args.moe_grouped_gemm,
                               qk_layernorm=args.qk_layernorm,
                               normalization=None if use_te else args.normalization,   # TE: from the config

@@ -13,7 +13,8 @@ from .spec import get_gpt_layer_spec
 def build_gpt(config: TransformerConfig, cp: CPConfig, *, vocab_size: int, seq_length: int, cp_group,
               position_embedding_type: str = "rope", use_te: bool | None = None, pg_collection=None) -> GPTModel:
     """GPTModel with CPCoreAttention(cp.algo) in every layer and RoPE positions in the algorithm's layout."""
-    spec = get_gpt_layer_spec(cp.algo, grid=cp.grid, gpus_per_node=cp.gpus_per_node, use_te=use_te,
+    spec = get_gpt_layer_spec(cp.algo, grid=cp.grid, gpus_per_node=cp.gpus_per_node,
+                              group_tokens=cp.group_tokens, use_te=use_te,
                               normalization=config.normalization)
     kw = {"pg_collection": pg_collection} if pg_collection is not None else {}
     model = GPTModel(config, spec, vocab_size=vocab_size, max_sequence_length=seq_length,

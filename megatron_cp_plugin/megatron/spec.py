@@ -19,11 +19,12 @@ def _te_available() -> bool:
 
 
 def get_gpt_layer_spec(algo: str, *, grid: tuple[int, int] | None = None, gpus_per_node: int | None = None,
-                       backend: str | None = None, num_experts: int | None = None, moe_grouped_gemm: bool = False,
-                       qk_layernorm: bool = False, normalization: str | None = None,
+                       group_tokens: int | None = None, backend: str | None = None, num_experts: int | None = None,
+                       moe_grouped_gemm: bool = False, qk_layernorm: bool = False, normalization: str | None = None,
                        use_te: bool | None = None) -> ModuleSpec:
     """A GPT TransformerLayer spec whose self-attention core is `CPCoreAttention(algo, grid, ...)`.
 
+    group_tokens: Attention2D's cap on one grouped kernel call's query tokens (None: comm.MAX_GROUP_TOKENS).
     use_te: TransformerEngine's fused linear and norm layers (None: when transformer-engine imports);
     otherwise Megatron's local ones. The other keywords are get_gpt_layer_*_spec's.
     """
@@ -35,5 +36,6 @@ def get_gpt_layer_spec(algo: str, *, grid: tuple[int, int] | None = None, gpus_p
                               **norm))
     attn = spec.submodules.self_attention.submodules
     attn.core_attention = ModuleSpec(module=CPCoreAttention, params={
-        "algo": algo, "grid": grid, "gpus_per_node": gpus_per_node, "backend": backend})
+        "algo": algo, "grid": grid, "gpus_per_node": gpus_per_node, "group_tokens": group_tokens,
+        "backend": backend})
     return spec

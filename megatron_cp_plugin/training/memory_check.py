@@ -41,7 +41,8 @@ def model_from_args(args) -> memory.Model:
                  ffn=args.ffn_hidden_size or 4 * args.hidden_size, vocab=vocab, seq=args.seq_length,
                  micro_batch=args.micro_batch_size, bf16=args.bf16,
                  algo=getattr(args, "context_parallel_algo", None) or registry.DEFAULT_ALGO,
-                 grid=parse_grid(getattr(args, "cp_grid", None)), rope_fused=rope_fusion_on(args, gpu=True))
+                 grid=parse_grid(getattr(args, "cp_grid", None)), group_tokens=getattr(args, "cp_group_tokens", None),
+                 rope_fused=rope_fusion_on(args, gpu=True))
 
 
 def config_layout(a) -> memory.Layout:
@@ -53,12 +54,14 @@ def config_layout(a) -> memory.Layout:
     return memory.Layout(zero, 1, full, full and bool(getattr(a, "offload_layer_inputs", False)))
 
 
-def layout_args(layout: memory.Layout) -> list[str]:
-    """megatron-cp-pretrain flags that select `layout` on top of the configs' (appended: they win)."""
+def layout_args(layout: memory.Layout, est: memory.Estimate | None = None) -> list[str]:
+    """megatron-cp-pretrain flags that select `layout` on top of the configs' (appended: they win), and the group
+    cap of `est` (memory.fit's) where it is below the default."""
     out = {"ddp": [], "zero1": ["--use-distributed-optimizer"]}.get(layout.zero)
     if out is None:
         out = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", layout.zero.split("-", 1)[1]]
-    return out + (RECOMPUTE if layout.recompute else []) + (["--offload-layer-inputs"] if layout.offload else [])
+    out += (RECOMPUTE if layout.recompute else []) + (["--offload-layer-inputs"] if layout.offload else [])
+    return out + memory.group_flag(est.group_tokens if est is not None else None).split()
 
 
 def candidates(a, m: memory.Model, gpus: int, trainer: str) -> list[memory.Layout]:
@@ -87,7 +90,9 @@ def allocator_env(environ=None) -> dict:
 
 def refusal(args, world: int, capacity_gib: float | None = None) -> str | None:
     """One line when the run `args` describes on `world` ranks will not fit its GPUs; None when it fits, when the
-    check is off or cannot be made (no GPU, TP > 1, which the planner does not model)."""
+    check is off or cannot be made (no GPU, TP > 1, which the planner does not model). When it fits and the
+    flags leave Attention2D's group cap open (no --cp-group-tokens), sets args.cp_group_tokens to the largest that
+    fits (memory.fit), which the ranks then run with."""
     if getattr(args, "no_memory_check", False):
         return None
     gpus = devices.gpu_count()
@@ -104,16 +109,21 @@ def refusal(args, world: int, capacity_gib: float | None = None) -> str | None:
     share = -(-world // gpus) if devices.shares_gpu(devices.sharing(getattr(args, "share_gpu", False)), world) else 1
     mine = config_layout(args)
 
+    def est(lay) -> memory.Estimate:
+        return memory.fit(m, lay, cp, capacity / share, HEADROOM_GIB)
+
     def need(lay) -> float:
-        return share * memory.estimate(m, lay, cp).total / memory.GiB
+        return share * est(lay).total / memory.GiB
 
     gib = need(mine)
     if gib + share * HEADROOM_GIB <= capacity:
+        if m.group_tokens is None and est(mine).group_tokens is not None:
+            args.cp_group_tokens = est(mine).group_tokens
         return None
     fits = [lay for lay in candidates(args, m, cp, "plugin") if lay != mine
             and need(lay) + share * HEADROOM_GIB <= capacity]
     ranks = f", {share} ranks per GPU" if share > 1 else ""
-    alt = "; ".join(f"{lay.name} ({need(lay):.1f} GiB: {' '.join(layout_args(lay))})" for lay in fits[:3])
+    alt = "; ".join(f"{lay.name} ({need(lay):.1f} GiB: {' '.join(layout_args(lay, est(lay)))})" for lay in fits[:3])
     alt = f"; these fit: {alt}" if fits else "; no layout fits: use more GPUs or a shorter --seq-length"
     return (f"the memory plan ({mine.name}, CP = {cp}{ranks}) needs {gib:.1f} GiB + {share * HEADROOM_GIB:g} GiB "
             f"headroom per GPU of {capacity:.1f} GiB{alt}; --no-memory-check starts it anyway")
