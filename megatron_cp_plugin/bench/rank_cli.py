@@ -165,7 +165,8 @@ def main(argv=None):
     start = time.perf_counter()
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
     header = (f"rank_replay: one rank's local work per algorithm, replayed on one {name} (communication replaced by "
-              f"on-device copies, wire {a.wire}); b=1 d={d} causal {dtype}. {FLOP_FORMULA}. "
+              f"on-device copies, wire {a.wire}); b=1 d={d} causal {dtype}; Attention2D's group cap "
+              f"{a.group_tokens} query tokens a call. {FLOP_FORMULA}. "
               "ideal = one-device fwd+bwd / P. "
               f"ops: aten ops that compute per fwd+bwd (each attention call counts once).")
     for hk in a.kv_heads:

@@ -65,6 +65,7 @@ def start_record(args, world: int, cp_cfg, device, n_params: int, vocab: int, fl
         "backend": dist.get_backend() if dist.is_initialized() else None,
         "gpu_name": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         "cp_grid": args.cp_grid, "cp_gpus_per_node": args.cp_gpus_per_node,
+        "cp_group_tokens": getattr(args, "cp_group_tokens", None),
         "seq_length": args.seq_length, "micro_batch_size": args.micro_batch_size,
         "global_batch_size": args.global_batch_size, "num_layers": args.num_layers,
         "hidden_size": args.hidden_size, "num_attention_heads": args.num_attention_heads,
