@@ -558,6 +558,27 @@ def test_auto_bad_input():
         _args("--cp-hardware", "tpu")
 
 
+def test_the_group_cap_flag_is_checked_and_reaches_the_attention_layers():
+    """--cp-group-tokens: a positive number of tokens, for the algorithms with grouped calls (auto may resolve to
+    any); it reaches CPCoreAttention's parameters through the layer spec."""
+    from megatron_cp_plugin.megatron import lm
+    from megatron_cp_plugin.megatron.args import CPConfig, config_from_args
+
+    for bad in (0, -5, True):
+        with pytest.raises(ValueError, match="--cp-group-tokens must be a positive number of query tokens"):
+            CPConfig(algo="attention2d-no", cp_size=4, group_tokens=bad)
+    with pytest.raises(ValueError, match=r"--cp-group-tokens is for .*\(attention2d-no, attention2d-o\), not "
+                                         "--context-parallel-algo ring"):
+        CPConfig(algo="ring", cp_size=4, group_tokens=16384)
+    assert CPConfig(algo="auto", cp_size=4, seq_length=65536, heads=16, group_tokens=16384).group_tokens == 16384
+    a = _args("--context-parallel-algo", "attention2d-o", "--cp-group-tokens", "8192")
+    assert config_from_args(a, log=False).group_tokens == 8192
+    a.transformer_impl, a.num_experts, a.moe_grouped_gemm, a.qk_layernorm, a.normalization = "local", None, False, \
+        False, "RMSNorm"
+    spec = lm.layer_spec(a)
+    assert spec.submodules.self_attention.submodules.core_attention.params["group_tokens"] == 8192
+
+
 def test_bad_input_raises():
     hw = HARDWARE["h200-nvlink"]
     bad_problems = [dict(seq_len=100, world=3, heads=4), dict(seq_len=64, world=4, heads=6, kv_heads=4),
