@@ -322,6 +322,29 @@ def test_attention2d_no_groups_its_calls_within_the_grids_cap(monkeypatch, cap, 
     assert events.count("block_fwd_into") == calls and events.count("block_bwd_into") == calls, events
 
 
+@pytest.mark.parametrize("cap,most", [(24, 3), (16, 2), (8, 0)])
+def test_attention2d_o_batches_within_the_grids_cap(monkeypatch, cap, most):
+    """Attention2D-O's batched passes (3 x 3, 8 tokens a rank, its own schedule forced) take at most the grid's cap
+    of query rows a call (CPGrid.group_tokens): up to 3 of the column's chunks a call at 24, 2 at 16, and at 8 one
+    chunk a call (the per-chunk calls of pass 0), forward and backward (C = 3: one middle pass, whose chunks the
+    masks split 2 + 1 on this rank). Red with the grid's cap ignored."""
+    from megatron_cp_plugin import comm
+    from megatron_cp_plugin.algos import attention2d_o
+    from megatron_cp_plugin.bench.rank_replay import RankReplay, _shards
+
+    monkeypatch.setattr(comm, "OVERLAP_MIN_LOCAL", 0)
+    chunks = {"block_fwd": [], "block_bwd": []}            # chunks (the batch dimension, b = 1) of each batched call
+    for name, arg in (("block_fwd", 0), ("block_bwd", 1)):
+        real = getattr(attention2d_o, name)
+        monkeypatch.setattr(attention2d_o, name, lambda *a, _r=real, _n=name, _i=arg, **k:
+                            (chunks[_n].append(a[_i].shape[0]), _r(*a, **k))[1])
+    rep = RankReplay("attention2d-o", 9, 4, *_shards(8 * 9, 9, 2, 2, 8, torch.device("cpu"), torch.float32),
+                     grid=(3, 3), group_tokens=cap)
+    rep()
+    assert max(chunks["block_fwd"], default=0) == most, chunks          # rank 4's forward fills the cap
+    assert 0 < max(chunks["block_bwd"]) <= most if most else not chunks["block_bwd"], chunks   # one middle pass
+
+
 def test_a_posted_batch_lands_in_one_copy_per_dtype(monkeypatch):
     """A batch of receives of mixed dtypes (burst's Q, dO bf16 and D, lse fp32) is one multi-tensor copy a dtype, not
     foreach's slow path of one copy a tensor; the bytes land where they belong. Red with the grouping removed."""
