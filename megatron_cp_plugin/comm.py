@@ -186,13 +186,14 @@ def choose_grid(world: int, *, h: int = 1, h_kv: int = 1) -> tuple[int, int]:
 GROUP_TOKENS = (32768, 16384)
 """The caps on query tokens (b x rows) one grouped Attention2D kernel call may take (`group_chunks`, Attention2D-O's
 `batch_cap`), largest first: the memory planner gives a run the largest whose transient fits (cost/memory.py
-`fit`; `--cp-group-tokens` fixes one). Larger calls are faster: on one H200 (2026-11-28, one or two timed calls a
-row, docs/results/group_tokens_ab_s24/) 32768 took Attention2D-NO's rank from 985.8 to 933.8 ms at 1M over 8 x 8
-(128 kernel calls to 32) and from 1.118x to 1.043x ring at 128k over 4 x 4. But a call's output, gradients and
-workspace grow with its rows (the planner counts n times a pair call's): at 32768 the planner's transient for
-GPT-3 13B at 128k on 16 80-GB GPUs (4 x 4, 8k tokens a rank) grows by 1.87 GiB, which moves it from
-fsdp-optim_grads_params (74.17 GiB) to +recompute, so that run keeps 16384. Groups are made smaller (more calls)
-to stay within the cap, down to one chunk pair per call, whatever its size."""
+`fit`; `--cp-group-tokens` fixes one). Larger calls are faster: on one H200 (2026-11-28, two runs a cap in the
+order 16384, 32768, 32768, 16384, docs/results/group_tokens_ab_s25/) 32768 took Attention2D-NO's rank from
+986-994 to 929-931 ms at 1M over 8 x 8 (64 kernel calls a pass to 16) and from 61.7-65.9 to 60.2-61.7 ms at 128k
+over 4 x 4 (ring 57 ms). But a call's output, gradients and workspace grow with its rows (the planner counts n
+times a pair call's): at 32768 the planner's transient for GPT-3 13B at 128k on 16 80-GB GPUs (4 x 4, 8k tokens a
+rank) grows by 1.87 GiB, which moves it from fsdp-optim_grads_params (74.17 GiB) to +recompute, so that run gets
+16384. Groups are made smaller (more calls) to stay within the cap, down to one chunk pair per call, whatever its
+size."""
 
 MAX_GROUP_TOKENS = GROUP_TOKENS[0]
 """The cap where no planner chose one (the library's functions, the benchmarks): the largest."""
