@@ -84,14 +84,16 @@ def plan_need(flags: list[str], nproc: int, headroom_gib: float) -> tuple[float,
             a = parse_args(flags)
         m = plan.model_from_args(a)
         lay = launch_plan.config_layout(a)
-        est = plan.estimate(m, lay, nproc)
+        gpus, capacity = devices.gpu_count(), devices.gpu_capacity_gib()
+        share = -(-nproc // gpus) if gpus else 1                     # ranks on GPU 0 (more ranks than GPUs: shared)
+        # at the group cap the run's own memory check gives it (the largest that fits), where it has GPUs to check
+        est = (plan.fit(m, lay, nproc, capacity / share, headroom_gib) if gpus and capacity
+               else plan.estimate(m, lay, nproc))
     except (SystemExit, ValueError):
         return None
     parts = " + ".join(f"{k} {getattr(est, k) / GiB:.1f}" for k in ("weights", "grads", "optimizer",
                                                                      "activations", "transient"))
-    gpus = devices.gpu_count()
     if gpus:
-        share = -(-nproc // gpus)                                    # ranks on GPU 0 (more ranks than GPUs: shared)
         need = share * (est.total + headroom_gib * GiB)
         line = (f"plan ({lay.name}, CP = {nproc}): {parts} = {est.total / GiB:.1f} GiB per rank + {headroom_gib:g} "
                 f"GiB headroom" + (f", {share} ranks per GPU" if share > 1 else ""))
