@@ -102,7 +102,7 @@ plan)
     --nproc 2 > "$W/probe.log" 2>&1 || tail -8 "$W/probe.log" &
   wait
   python3 - "$W" "$OUT/plan_vs_measured.md" "$OUT/memory" <<'EOF'
-import json, sys
+import dataclasses, json, sys
 from pathlib import Path
 from megatron_cp_plugin.bench import launch_plan, plan
 from megatron_cp_plugin.training.config import parse_args
@@ -129,6 +129,8 @@ for name, f, flag_file in runs:
         flags = flags[:i] + flags[i + 2:]
     a = parse_args(flags)
     m, lay = plan.model_from_args(a), launch_plan.config_layout(a)
+    if r.get("cp_group_tokens"):                        # the group cap the run's memory check gave it
+        m = dataclasses.replace(m, group_tokens=r["cp_group_tokens"])
     e = plan.estimate(m, lay, 2)
     parts = "/".join(f"{getattr(e, k) / 2**30:.1f}" for k in ("weights", "grads", "optimizer", "activations",
                                                               "transient"))
