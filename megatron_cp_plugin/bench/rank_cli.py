@@ -129,7 +129,7 @@ def main(argv=None):
     p.add_argument("--grids", nargs="+", default=["square", "rect"], help="Attention2D: square, rect or RxC")
     p.add_argument("--group-tokens", type=int, default=comm.MAX_GROUP_TOKENS,
                    help="Attention2D's cap on one grouped kernel call's query tokens (comm.GROUP_TOKENS; default "
-                        "%(default)s, the largest, what a run gets where the memory planner finds room)"),
+                        "%(default)s, the largest, what a run gets where the memory planner finds room)")
     p.add_argument("--rank", type=int, default=None, help="replay this rank (default: the slowest, found by "
                    "running every rank once at the first length)")
     p.add_argument("--wire", choices=ReplayDist.WIRES, default="stream", help="where the replayed receives run on a "
