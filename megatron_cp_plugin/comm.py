@@ -184,36 +184,61 @@ def choose_grid(world: int, *, h: int = 1, h_kv: int = 1) -> tuple[int, int]:
 
 
 GROUP_TOKENS = (32768, 16384)
-"""The caps on query tokens (b x rows) one grouped Attention2D kernel call may take (`group_chunks`, Attention2D-O's
-`batch_cap`), largest first: the memory planner gives a run the largest whose transient fits (cost/memory.py
-`fit`; `--cp-group-tokens` fixes one). Larger calls are faster: on one H200 (2026-11-28, two runs a cap in the
-order 16384, 32768, 32768, 16384, docs/results/group_tokens_ab_s25/) 32768 took Attention2D-NO's rank from
-986-994 to 929-931 ms at 1M over 8 x 8 (64 kernel calls a pass to 16) and from 61.7-65.9 to 60.2-61.7 ms at 128k
-over 4 x 4 (ring 57 ms). But a call's output, gradients and workspace grow with its rows (the planner counts n
-times a pair call's): at 32768 the planner's transient for GPT-3 13B at 128k on 16 80-GB GPUs (4 x 4, 8k tokens a
-rank) grows by 1.87 GiB, which moves it from fsdp-optim_grads_params (74.17 GiB) to +recompute, so that run gets
-16384. Groups are made smaller (more calls) to stay within the cap, down to one chunk pair per call, whatever its
-size."""
+"""The caps on query tokens (b x rows) one grouped Attention2D kernel call may take (`group_chunks`, `batch_chunks`),
+largest first. Larger calls are faster locally: replayed on one H200 (2026-11-28, two runs a cap in the order
+16384, 32768, 32768, 16384, docs/results/group_tokens_ab_s25/) 32768 took Attention2D-NO's rank from 986-994 to
+929-931 ms at 1M over 8 x 8 (64 kernel calls a pass to 16) and from 61.7-65.9 to 60.2-61.7 ms at 128k over 4 x 4
+(ring 57 ms). But grouping costs two things:
+  memory   a call's output, gradients and workspace grow with its rows (the planner counts n times a pair
+           call's): at 32768 GPT-3 13B at 128k on 16 80-GB GPUs (4 x 4, 8k tokens a rank) needs 1.87 GiB more,
+           which would move it from fsdp-optim_grads_params (74.17 GiB) to +recompute;
+  overlap  where every chunk pair is a call of its own (n = 1), the rank computes its own pairs while the gathers
+           travel (attention2d.pair_order); grouped calls wait for the gathers. At 16k tokens a rank 16384 keeps
+           n = 1 and 32768 would group 2 chunks: the cost model puts that overlap at 4-6 % of 1M over P = 64
+           (h200-nvlink, h100-ib, h100-eth), about what the larger calls save locally; no run here has had the
+           64 GPUs to measure it.
+So the default (`group_chunks(..., cap=None)`) takes the largest cap, except that shards the smallest cap leaves
+ungrouped stay ungrouped (1M over 8 x 8: one pair a call, as before; 128k over 4 x 4: 4 chunks a call instead of
+2), and the memory planner lowers a run to the smallest where that does not fit (cost/memory.py `fit`;
+`--cp-group-tokens` fixes a cap, which is then taken as it is). Groups are made smaller (more calls) to stay
+within the cap, down to one chunk pair per call, whatever its size."""
 
-MAX_GROUP_TOKENS = GROUP_TOKENS[0]
-"""The cap where no planner chose one (the library's functions, the benchmarks): the largest."""
 
-
-def check_group_tokens(value, what: str = "--cp-group-tokens") -> int:
-    """`value` as a group cap (a positive number of query tokens), else ValueError naming `what`."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{what} must be a positive number of query tokens (e.g. {GROUP_TOKENS[0]}), got {value!r}")
+def check_group_tokens(value, what: str = "--cp-group-tokens") -> int | None:
+    """`value` as a group cap (a positive number of query tokens, or None: the default rule), else ValueError naming
+    `what`."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{what} must be a positive number of query tokens (e.g. {GROUP_TOKENS[-1]}), got {value!r}")
     return value
 
 
-def group_chunks(rows: int, cols: int, tokens: int, cap: int = MAX_GROUP_TOKENS) -> int:
+def _chunks_within(g: int, tokens: int, cap: int) -> int:
+    """The largest divisor n of g with n x tokens <= cap, else 1."""
+    return max([n for n in range(1, g + 1) if g % n == 0 and n * tokens <= cap], default=1)
+
+
+def group_chunks(rows: int, cols: int, tokens: int, cap: int | None = None) -> int:
     """Attention2D-NO's chunks per kernel call (algos/attention2d.py, `chunk_groups`) on an R x C grid, column-major
     placement, for shards of `tokens` (b x s): the largest divisor n of gcd(R, C) (T = P / n, a multiple of
     lcm(R, C), splits both the row's Q chunks, residues i + cR, and the column's K, V chunks, residues j + rC) with
-    n x tokens <= `cap` (GROUP_TOKENS), else 1. A square grid is then one call per rank (n = R = C: the paper's one
+    n x tokens <= `cap`, else 1; cap None: GROUP_TOKENS' default rule (the largest cap, but ungrouped where the
+    smallest leaves the chunks ungrouped). A square grid is then one call per rank (n = R = C: the paper's one
     FlashAttn of line 5) while R s tokens fit, an R x C grid with R = kC (or C = kR) k calls of n = min(R, C)."""
     g = math.gcd(rows, cols)
-    return max([n for n in range(1, g + 1) if g % n == 0 and n * tokens <= cap], default=1)
+    if cap is not None:
+        return _chunks_within(g, tokens, cap)
+    return 1 if _chunks_within(g, tokens, GROUP_TOKENS[-1]) == 1 else _chunks_within(g, tokens, GROUP_TOKENS[0])
+
+
+def batch_chunks(rows: int, tokens: int, cap: int | None = None) -> int:
+    """Attention2D-O's chunks per batched call of its middle passes (`attention2d_o.batch_cap`) on R = rows grid rows
+    for shards of `tokens` (b x s): cap // tokens, at least 1, at most R; cap None: GROUP_TOKENS' default rule (as
+    group_chunks: none batched where the smallest cap batches none)."""
+    def within(c):
+        return min(rows, max(1, c // max(1, tokens)))
+    if cap is not None:
+        return within(cap)
+    return 1 if within(GROUP_TOKENS[-1]) == 1 else within(GROUP_TOKENS[0])
 
 
 OVERLAP_MIN_LOCAL = 8192
@@ -245,11 +270,12 @@ class CPGrid:
     Tokens are cyclic over group ranks in both cases (token t on group rank t mod P).
     `row` and `col` are process groups over the rank's grid row and column, created with local
     synchronisation, so only their members take part; every rank of `group` must build its grid.
-    `group_tokens`: the most query tokens one grouped kernel call takes (GROUP_TOKENS; `with_group_tokens`).
+    `group_tokens`: the most query tokens one grouped kernel call takes (GROUP_TOKENS; None: its default rule;
+    `with_group_tokens`).
     """
 
     def __init__(self, group, rows: int, cols: int, gpus_per_node: int | None = None,
-                 group_tokens: int = MAX_GROUP_TOKENS):
+                 group_tokens: int | None = None):
         self.group_tokens = check_group_tokens(group_tokens, "group_tokens")
         world = dist.get_world_size(group)
         if rows < 1 or cols < 1 or rows * cols != world:
@@ -274,7 +300,7 @@ class CPGrid:
     def position(self, p: int) -> tuple[int, int]:
         return grid_position(p, self.rows, self.cols, self.row_major)
 
-    def with_group_tokens(self, cap: int) -> "CPGrid":
+    def with_group_tokens(self, cap: int | None) -> "CPGrid":
         """This grid (its process groups shared, none created) with another group cap."""
         if cap == self.group_tokens:
             return self
@@ -555,14 +581,14 @@ _GRIDS: dict = {}
 def get_grid(group, shape: tuple[int, int] | None = None, *, h: int = 1, h_kv: int = 1,
              gpus_per_node: int | None = None, group_tokens: int | None = None) -> CPGrid:
     """The CPGrid over `group` with `shape` (rows, cols), or `choose_grid`'s for the heads when None, and the group
-    cap `group_tokens` (None: MAX_GROUP_TOKENS); its process groups are built once per (group, shape, placement)
-    and reused, since building them is collective (every rank of `group` must make the first call for a given key
-    together)."""
+    cap `group_tokens` (None: GROUP_TOKENS' default rule); its process groups are built once per (group, shape,
+    placement) and reused, since building them is collective (every rank of `group` must make the first call for a
+    given key together)."""
     rows, cols = shape or choose_grid(dist.get_world_size(group), h=h, h_kv=h_kv)
     key = (group, rows, cols, gpus_per_node)
     if key not in _GRIDS:
         _GRIDS[key] = CPGrid(group, rows, cols, gpus_per_node)
-    return _GRIDS[key].with_group_tokens(MAX_GROUP_TOKENS if group_tokens is None else group_tokens)
+    return _GRIDS[key].with_group_tokens(group_tokens)
 
 
 def serve_store(timeout_s: float = 300.0) -> dist.TCPStore:

@@ -154,13 +154,13 @@ def test_13b_at_64k_on_two_h200s_fits_only_with_the_layer_inputs_on_the_host(gpu
         megatron_lm_flags(parse_args(flags + args), build_parser(), world_size=2, layout="fsdp+recompute")
 
 
-def test_a_fitting_run_gets_the_largest_group_cap_that_fits(gpus):
+def test_a_run_that_fits_only_with_smaller_grouped_calls_gets_them(gpus):
     """GPT-3 13B at 128k, CP = 16, attention2d-no, Megatron-FSDP ZeRO-3: on 79.1-GiB GPUs the check passes with
-    --cp-group-tokens set to 16384 (32768 does not fit), on 139.8-GiB ones to 32768; a given cap is kept, and one
-    that does not fit is refused."""
+    --cp-group-tokens set to 16384 (the default rule's 32768 does not fit), on 139.8-GiB ones leaves it unset (the
+    default); a given cap is kept, and one that does not fit is refused."""
     flags = ["--config", str(REPO / "configs/gpt3-13b.toml"), "--seq-length", "131072", "--context-parallel-algo",
              "attention2d-no", "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"]
-    for gib, cap in ((79.1, 16384), (H200, 32768)):
+    for gib, cap in ((79.1, 16384), (H200, None)):
         gpus(16, gib)
         a = parse_args(flags)
         assert memory_check.refusal(a, 16) is None and a.cp_group_tokens == cap

@@ -439,25 +439,48 @@ GPT3_13B_128K = ["--config", str(REPO / "configs/gpt3-13b.toml"), "--seq-length"
                  "attention2d-no"]
 
 
-def test_the_planner_gives_attention2d_the_largest_group_cap_that_fits():
-    """GPT-3 13B at 128k on 16 GPUs of 79.1 GiB, attention2d-no on 4 x 4 (8k tokens a rank): with 32768 query rows a
-    call (4 chunks) its fsdp-optim_grads_params peak misses, with 16384 (2 chunks) it fits, so the planner keeps
-    that layout at 16384 and says so in its flags; a 139.8-GiB GPU gets 32768; ring has no cap; a cap the flags fix
-    is planned as given. Red when `fit` takes the default cap."""
+def test_the_planner_lowers_attention2ds_group_cap_where_the_default_does_not_fit():
+    """GPT-3 13B at 128k on 16 GPUs of 79.1 GiB, attention2d-no on 4 x 4 (8k tokens a rank): with the default rule's
+    calls (4 chunks, 32768 query rows) its fsdp-optim_grads_params peak misses, with 16384 (2 chunks) it fits, so
+    the planner keeps that layout at 16384 and says so in its flags; a 139.8-GiB GPU keeps the default (no flag);
+    ring has no cap; a cap the flags fix is planned as given. Red when `fit` takes the default rule."""
     from dataclasses import replace
 
-    from megatron_cp_plugin import comm
     m = plan.model_from_args(parse_args(GPT3_13B_128K))
     zero3 = plan.Layout("fsdp-optim_grads_params")
-    at = {cap: plan.estimate(replace(m, group_tokens=cap), zero3, 16).total / plan.GiB for cap in comm.GROUP_TOKENS}
-    assert at[32768] + 4 > 79.1 >= at[16384] + 4 and at[32768] - at[16384] > 1.0, at
+    at = {cap: plan.estimate(replace(m, group_tokens=cap), zero3, 16).total / plan.GiB for cap in (None, 16384)}
+    assert at[None] + 4 > 79.1 >= at[16384] + 4 and at[None] - at[16384] > 1.0, at
+    assert plan.estimate(replace(m, group_tokens=32768), zero3, 16).total / plan.GiB == at[None]   # the rule's 4
     assert plan.fit(m, zero3, 16, 79.1).group_tokens == 16384
-    assert plan.fit(m, zero3, 16, 139.8).group_tokens == 32768
+    est = plan.fit(m, zero3, 16, 139.8)
+    assert est.grouped and est.group_tokens is None
     assert plan.recommend(m, 16, 79.1) == "fsdp-optim_grads_params"
     row = next(r for r in plan.plan(m, 16, 79.1) if r["layout"] == zero3.name)
     assert row["fits"] and row["group_tokens"] == 16384 and row["flags"].endswith(" --cp-group-tokens 16384")
-    assert plan.fit(replace(m, algo="ring"), zero3, 16, 79.1).group_tokens is None
+    row = next(r for r in plan.plan(m, 16, 139.8) if r["layout"] == zero3.name)
+    assert row["group_tokens"] == "default" and "--cp-group-tokens" not in row["flags"]
+    assert not plan.fit(replace(m, algo="ring"), zero3, 16, 79.1).grouped
     assert plan.fit(replace(m, group_tokens=32768), zero3, 16, 79.1).group_tokens == 32768
+
+
+def test_the_default_group_rule_keeps_ungrouped_shards_ungrouped():
+    """comm.GROUP_TOKENS' default rule: the largest cap (32768), except where the smallest (16384) groups nothing,
+    whose pairs keep the overlapped schedule (attention2d.pair_order): 1M over 8 x 8 (16k tokens) one chunk a call,
+    128k over 4 x 4 (8k) 4, 128k over 8 x 8 (2k) 8; an explicit cap as given. The same for Attention2D-O's batches.
+    The cost model follows (Problem.group_tokens): 1M P = 64 as at 16384, 128k P = 16 as at 32768."""
+    from megatron_cp_plugin import comm
+    from megatron_cp_plugin.cost import HARDWARE, Problem
+    from megatron_cp_plugin.cost import model as cm
+
+    assert [comm.group_chunks(8, 8, 16384), comm.group_chunks(4, 4, 8192), comm.group_chunks(8, 8, 2048)] == [1, 4, 8]
+    assert [comm.group_chunks(8, 8, 16384, 32768), comm.group_chunks(4, 4, 8192, 16384)] == [2, 2]
+    assert [comm.batch_chunks(8, 16384), comm.batch_chunks(4, 8192), comm.batch_chunks(8, 16384, 32768)] == [1, 4, 2]
+
+    def t(S, P, grid, cap):
+        return cm.predict("attention2d-no", Problem(S, P, 32, grid=grid, node_aware=False, group_tokens=cap),
+                          HARDWARE["h100-ib"]).total_s
+    assert t(1 << 20, 64, (8, 8), None) == t(1 << 20, 64, (8, 8), 16384) < t(1 << 20, 64, (8, 8), 32768)
+    assert t(1 << 17, 16, (4, 4), None) == t(1 << 17, 16, (4, 4), 32768) < t(1 << 17, 16, (4, 4), 16384)
 
 
 def test_the_launch_scripts_pass_the_planned_group_cap(capsys):

@@ -18,7 +18,7 @@ dV back to column-major. With one grid column (C = 1) the own pass is the last p
 Batched passes: every pass after the first has the column's K, V chunks in hand (pass 0 kept them), so its Q block
 meets them in one kernel call per mask (the chunks of residue <= the block's with the diagonal, the rest strictly
 causal) over the batch dimension, at most `batch_cap` chunks a call (the grid's group_tokens query rows, as
-Attention2D-NO's grouped calls: chunks of more than half the cap keep one call each, as the paper writes it), the
+Attention2D-NO's grouped calls: chunks of 8k tokens or more keep one call each, as the paper writes it), the
 call's partials merged in one launch (`merge_many_`); so do the backward's middle passes (the last keeps one call a
 chunk, each chunk's dK, dV sent down the column as soon as it is final, Alg. 11). At P = 64 on 8 x 8 that was at
 most 22 forward calls instead of 64 and 28 backward instead of 64; shards that short now take the schedule below.
@@ -86,9 +86,9 @@ class Stacked:
         return out
 
 
-def batch_cap(q, group_tokens: int) -> int:
-    """Chunks one batched call may take: `group_tokens` query rows (the grid's cap; b s a chunk), at least one."""
-    return max(1, group_tokens // max(1, q.shape[0] * q.shape[1]))
+def batch_cap(q, grid: CPGrid) -> int:
+    """Chunks one batched call may take: within the grid's cap on query rows (comm.batch_chunks; b s a chunk)."""
+    return comm.batch_chunks(grid.rows, q.shape[0] * q.shape[1], grid.group_tokens)
 
 
 def _rows(mask):
@@ -165,7 +165,7 @@ def _forward(grid: CPGrid, q, k, v, *, causal, scale, backend, stats=None, packi
     kv_chunks[i] = kv
     q_blk, own, incoming, st = q, None, None, None
     lse_shape = (q.shape[0], q.shape[2], q.shape[1])
-    cap = batch_cap(q, grid.group_tokens) if seg is None and R > 1 else 1
+    cap = batch_cap(q, grid) if seg is None and R > 1 else 1
     for t in range(C):                               # t = 0: GthrCmpt (Alg. 5); t >= 1: GthrCmptSctr (Alg. 6)
         if t + 1 < C:                                # Alg. 4 line 4 / Alg. 6 line 4: pass the Q block on
             q_next = q_ring.send_recv((q_blk,))
@@ -222,7 +222,7 @@ def _backward(grid: CPGrid, do, q, kv, o, lse, *, causal, scale, backend, stats=
     dkv_part = torch.empty((R,) + tuple(kv.shape), dtype=acc, device=q.device)
     order = sorted(range(R), key=lambda r: grid.kv_owner(r, j))
     pos = {r: x for x, r in enumerate(order)}
-    cap = batch_cap(q, grid.group_tokens) if seg is None and R > 1 else 1
+    cap = batch_cap(q, grid) if seg is None and R > 1 else 1
     dq_in = dkv_in = st = None
     for t in range(C):                               # t = 0: GthrCmptBwd (Alg. 9); t >= 1: GthrCmptSctrBwd (10)
         if t + 1 < C:                                # pass (Q, dO, D, lse) on round the row

@@ -59,7 +59,7 @@ def input_bytes(S: int, *, h: int, hk: int, d: int, elem: int, b: int = 1) -> in
 
 def attention_need(algo: str, S: int, P: int, *, h: int, hk: int, d: int, elem: int, b: int = 1, grid=None,
                    packed: bool = False, shards: bool = True, grouped: bool = True,
-                   group_tokens: int = comm.MAX_GROUP_TOKENS) -> float:
+                   group_tokens: int | None = None) -> float:
     """Bytes one rank newly allocates for one fwd+bwd of `algo` over P ranks on S tokens, beyond the full inputs
     (input_bytes); algo "single": one device on the whole sequence (P = 1), the reference row. The code's own
     buffers at the peak of the forward (F) or of the backward (B, with the saved o, lse), times MARGIN:
@@ -174,7 +174,7 @@ def attention_need(algo: str, S: int, P: int, *, h: int, hk: int, d: int, elem: 
         travel = 0 if R == 1 else 4 * K if R == 2 else 4 * Ka   # dK, dV arriving and sent (R = 2: in the input dtype)
         # batched passes (attention2d_o.batch_cap chunks a call, > 1 only for small chunks): the stacked column,
         # a call's repeated Q block, output and lse, and backward its repeated Q, dO, O, lse and gradients
-        m = min(R, max(1, group_tokens // max(1, b * s))) if R > 1 and C > 1 else 1
+        m = comm.batch_chunks(R, b * s, group_tokens) if R > 1 and C > 1 else 1
         stack = 2 * R * K if m > 1 else 0
         batched = stack + m * (4 * Q + 2 * K + L) + Qa if m > 1 and C > 2 else 0
         saved = 2 * K + Q + L

@@ -26,7 +26,6 @@ import re
 import sys
 
 from . import plan
-from ..comm import MAX_GROUP_TOKENS
 from ..training.memory_check import RECOMPUTE, candidates, config_layout, layout_args  # noqa: F401
 
 def parse_layout(name: str, trainer: str) -> plan.Layout:
@@ -51,7 +50,8 @@ def parse_layout(name: str, trainer: str) -> plan.Layout:
 def choose(a, trainer: str, layout: str, gpus: int, gpu_mem: float, headroom: float, force: bool):
     """(layout or None when unchecked, the plan line, an error line or None). Each layout is sized at the group
     cap it gets (plan.fit); where the flags leave the cap open and the chosen layout's algorithm makes grouped
-    calls (Attention2D) below the default cap, a.cp_group_tokens is set to it, and the training command passes it."""
+    calls (Attention2D) at a cap other than the default rule, a.cp_group_tokens is set to it, and the training
+    command passes it."""
     try:
         m = plan.model_from_args(a)
     except ValueError as e:                       # TP > 1: the planner cannot say
@@ -73,7 +73,7 @@ def choose(a, trainer: str, layout: str, gpus: int, gpu_mem: float, headroom: fl
     cap = fitted[lay].group_tokens
     line = f"plan: {gib:.1f} GiB per GPU of {gpu_mem:g} GiB ({lay.name})"      # launch/prepare.sh's format
     if fits or force:
-        if cap is not None and m.group_tokens is None and cap != MAX_GROUP_TOKENS:   # the default needs no flag
+        if cap is not None and m.group_tokens is None:              # the default rule needs no flag
             a.cp_group_tokens = cap
         return lay, line, None
     what = f"{m.params / 1e9:.1f}B parameters, sequence {m.seq}, {cp_gpus} GPUs"

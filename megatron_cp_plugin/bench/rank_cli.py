@@ -51,7 +51,6 @@ import time
 
 import torch
 
-from .. import comm
 from ._common import FLOP_FORMULA, attention_flop, not_fitting, write_report
 from ._replay_comm import ReplayDist
 from .rank_replay import (ALGOS, GRID_ALGOS, RankReplay, _shards, _sync, count_launches, fit, grids, measure,
@@ -87,7 +86,7 @@ def _configs(algos, P, grid_names):
             yield algo, g
 
 
-def slowest_rank(algo, P, grid, shards, wire="stream", group_tokens=comm.MAX_GROUP_TOKENS) -> int:
+def slowest_rank(algo, P, grid, shards, wire="stream", group_tokens=None) -> int:
     """The rank index whose one fwd+bwd (after a preparing call) takes longest."""
     times = []
     for r in range(P):
@@ -105,7 +104,7 @@ def _check_args(p, a):
     for hk in a.kv_heads:
         if max(a.heads) % hk:
             p.error(f"--kv-heads {hk} must divide --heads {a.heads[0]}")
-    if a.group_tokens < 1:
+    if a.group_tokens is not None and a.group_tokens < 1:
         p.error(f"--group-tokens must be a positive number of query tokens, got {a.group_tokens}")
     if a.passes < 1 or a.iters < 1:
         p.error(f"--passes and --iters must be at least 1, got {a.passes} and {a.iters}")
@@ -127,9 +126,9 @@ def main(argv=None):
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--algos", nargs="+", default=list(ALGOS))
     p.add_argument("--grids", nargs="+", default=["square", "rect"], help="Attention2D: square, rect or RxC")
-    p.add_argument("--group-tokens", type=int, default=comm.MAX_GROUP_TOKENS,
-                   help="Attention2D's cap on one grouped kernel call's query tokens (comm.GROUP_TOKENS; default "
-                        "%(default)s, the largest, what a run gets where the memory planner finds room)")
+    p.add_argument("--group-tokens", type=int, default=None,
+                   help="Attention2D's cap on one grouped kernel call's query tokens (default: comm.GROUP_TOKENS' "
+                        "rule, what a run gets where the memory planner finds room)")
     p.add_argument("--rank", type=int, default=None, help="replay this rank (default: the slowest, found by "
                    "running every rank once at the first length)")
     p.add_argument("--wire", choices=ReplayDist.WIRES, default="stream", help="where the replayed receives run on a "
@@ -166,7 +165,7 @@ def main(argv=None):
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
     header = (f"rank_replay: one rank's local work per algorithm, replayed on one {name} (communication replaced by "
               f"on-device copies, wire {a.wire}); b=1 d={d} causal {dtype}; Attention2D's group cap "
-              f"{a.group_tokens} query tokens a call. {FLOP_FORMULA}. "
+              f"{a.group_tokens or 'by comm.GROUP_TOKENS rule'}. {FLOP_FORMULA}. "
               "ideal = one-device fwd+bwd / P. "
               f"ops: aten ops that compute per fwd+bwd (each attention call counts once).")
     for hk in a.kv_heads:

@@ -63,7 +63,7 @@ class RankReplay:
     `source`: the receives to replay (None: prepared by the first call, echoing this rank's own sends)."""
 
     def __init__(self, algo, P, rank, q, k, v, do, *, grid=None, backend=None, source=None, wire="stream",
-                 group_tokens=comm.MAX_GROUP_TOKENS):
+                 group_tokens=None):
         if algo not in ALGOS:
             raise ValueError(f"algo must be one of {tuple(ALGOS)}, got {algo!r}")
         self.algo, self.fn, self.backend = algo, ALGOS[algo], backend
@@ -290,7 +290,7 @@ def _receives(algo, P, h, hk, d, s, e, grid) -> int:
     return Q + 2 * K + Qa + L + 2 * Ka + 2 * K       # attention2d-o: ring blocks of Q, K, V, o / dQ, lse, dK, dV
 
 
-def replay_need(algo, S, P, h, hk, d, elem, grid=None, group_tokens=comm.MAX_GROUP_TOKENS) -> float:
+def replay_need(algo, S, P, h, hk, d, elem, grid=None, group_tokens=None) -> float:
     """Bytes one replayed rank allocates beyond its shards (q, k, v, dO, held for every row of a P): the rank's own
     buffers in a P-rank run (cp_attention.attention_need, shards=False) and the prepared receives (MARGIN on
     both)."""

@@ -107,8 +107,7 @@ class Model:
     """--cp-grid (rows, cols) of a grid algorithm; None, or one of other than CP ranks: the registry's default."""
     group_tokens: int | None = None
     """--cp-group-tokens: Attention2D's cap on the query tokens of one grouped kernel call (comm.GROUP_TOKENS);
-    None: the planner's choice, the largest that fits (`fit`), and comm.MAX_GROUP_TOKENS where nothing is fitted
-    (`estimate`)."""
+    None: its default rule (`estimate`), or the smallest cap where the rule's calls do not fit (`fit`)."""
     rope_fused: bool = True
     """RoPE runs fused (kernels/rope.py; training/config.rope_fusion_on: GPU runs unless --no-rope-fusion or
     packed documents): autograd keeps the model's fp32 freqs table once instead of each layer's bf16 cos and sin."""
@@ -211,8 +210,11 @@ class Estimate:
     """The moment of the peak: loss, forward, backward, end (of the backward) or step."""
     step: float = 0.0
     """The optimizer step's temporaries (torch's foreach Adam: 4 bytes per parameter this GPU steps)."""
+    grouped: bool = False
+    """Some algorithm planned makes grouped kernel calls (the registry's `grouped`: Attention2D), at CP > 1."""
     group_tokens: int | None = None
-    """The group cap planned (comm.GROUP_TOKENS); None where no algorithm planned makes grouped calls."""
+    """The group cap planned: --cp-group-tokens, or the smallest of comm.GROUP_TOKENS where the default rule's
+    calls do not fit (`fit`); None: the default rule."""
 
     @property
     def total(self) -> float:
@@ -222,7 +224,7 @@ class Estimate:
         r = {"layout": self.layout.name, "CP": self.cp, "tokens/GPU": self.tokens,
              **{k: getattr(self, k) / GiB for k in ("weights", "grads", "optimizer", "activations", "transient",
                                                    "total", "step")}, "peak": self.peak, "algo": self.algo,
-             "group_tokens": self.group_tokens}
+             "group_tokens": (self.group_tokens or "default") if self.grouped else None}
         if gpu_mem_gib is not None:
             r["fits"] = self.total / GiB + headroom_gib <= gpu_mem_gib
         r["flags"] = self.layout.flags() + group_flag(self.group_tokens)
@@ -230,8 +232,8 @@ class Estimate:
 
 
 def group_flag(cap: int | None) -> str:
-    """" --cp-group-tokens N" for a cap below the default (what a run without the planner would use), else ""."""
-    return f" --cp-group-tokens {cap}" if cap is not None and cap != comm.MAX_GROUP_TOKENS else ""
+    """" --cp-group-tokens N" for a cap, "" for the default rule (what a run without the flag gets)."""
+    return f" --cp-group-tokens {cap}" if cap is not None else ""
 
 
 def static_bytes(m: Model, zero: str, params: float, shards: int) -> tuple[float, float, float]:
@@ -281,25 +283,21 @@ def estimate(m: Model, layout: Layout, gpus: int, fused_adam: bool | None = None
 
     algos = terms_mod.algorithms(m.algo, m.heads, cp, m.grid is not None)
     worst_est = max((worst(a) for a in algos), key=lambda x: x.total)
-    if cp > 1 and any(registry.get(a).grouped for a in algos):
-        worst_est.group_tokens = m.group_tokens or comm.MAX_GROUP_TOKENS
+    worst_est.grouped = cp > 1 and any(registry.get(a).grouped for a in algos)
+    worst_est.group_tokens = m.group_tokens if worst_est.grouped else None
     return worst_est
 
 
 def fit(m: Model, layout: Layout, gpus: int, gpu_mem_gib: float, headroom_gib: float = HEADROOM_GIB,
         fused_adam: bool | None = None) -> Estimate:
-    """`estimate` at the group cap the run gets: m.group_tokens where given, else the largest of comm.GROUP_TOKENS
-    whose peak plus `headroom_gib` fits `gpu_mem_gib` (the smallest where none fits). Larger grouped calls are
-    faster (comm.GROUP_TOKENS) and only the Attention2D algorithms make them: for the others every cap gives the
-    same estimate, and the first is taken."""
+    """`estimate` at the group cap the run gets: m.group_tokens where given; else comm.GROUP_TOKENS' default rule
+    where its peak plus `headroom_gib` fits `gpu_mem_gib`, and the smallest cap where that does not fit and needs
+    less. Only the Attention2D algorithms make grouped calls: for the others the rule's estimate is taken."""
     est = estimate(m, layout, gpus, fused_adam)
-    if m.group_tokens is not None or est.group_tokens is None:
+    if m.group_tokens is not None or not est.grouped or est.total / GiB + headroom_gib <= gpu_mem_gib:
         return est
-    for cap in comm.GROUP_TOKENS:
-        est = estimate(replace(m, group_tokens=cap), layout, gpus, fused_adam)
-        if est.total / GiB + headroom_gib <= gpu_mem_gib:
-            break
-    return est
+    low = estimate(replace(m, group_tokens=comm.GROUP_TOKENS[-1]), layout, gpus, fused_adam)
+    return low if low.total < est.total else est
 
 
 def layouts(m: Model, gpus: int) -> list[Layout]:

@@ -64,8 +64,8 @@ class Shape:
     """P: ranks in context parallelism."""
     grid: tuple[int, int] = (1, 1)
     """(R, C) of a grid algorithm (Attention2D's rows x cols; ulysses-ring's rings x all-to-all size), else (1, 1)."""
-    group_tokens: int = comm.MAX_GROUP_TOKENS
-    """Attention2D's cap on the query tokens of one grouped kernel call (comm.GROUP_TOKENS)."""
+    group_tokens: int | None = None
+    """Attention2D's cap on the query tokens of one grouped kernel call (comm.GROUP_TOKENS; None: its default rule)."""
 
     @property
     def Q(self) -> int:
@@ -252,7 +252,7 @@ def attention2d_o(sh: Shape) -> Terms:
     qn = 0 if C == 1 else 1 if C == 2 else 2
     no = 1 if C == 1 else 3 if C == 2 else 4
     nq = 1 if C == 1 else 3 if C == 2 else 4
-    m = min(R, max(1, sh.group_tokens // max(1, sh.tokens))) if R > 1 and C > 1 else 1
+    m = comm.batch_chunks(R, sh.tokens, sh.group_tokens) if R > 1 and C > 1 else 1
     stack = 2 * R * K if m > 1 else 0
     travel = 0 if R == 1 else 4 * K if R == 2 else 4 * Ka
     fwd = 2 * R * K + qn * Q + no * (Qa + L) + max(Q + Qa, stack + m * (2 * Q + L))
@@ -358,7 +358,7 @@ def layer_bytes(m, layout, cp: int, algo: str) -> LayerBytes:
     """One layer of plan.Model m under plan.Layout layout on cp GPUs in context parallelism, `algo` attending."""
     t = m.micro_batch * m.seq // cp
     grid = grid_of(algo, cp, m.heads, m.groups, m.grid) if cp > 1 else (1, 1)
-    sh = Shape(t, m.heads, m.groups, m.head_dim, m.elem, cp, grid, m.group_tokens or comm.MAX_GROUP_TOKENS)
+    sh = Shape(t, m.heads, m.groups, m.head_dim, m.elem, cp, grid, m.group_tokens)
     at = terms(algo, sh)
     running = m.layer_activation_bytes_per_token() * t
     act = running + at.saved

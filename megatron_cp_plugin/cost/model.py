@@ -31,8 +31,7 @@ from dataclasses import dataclass
 
 from ..algos import registry
 from ..algos.ring import round_size
-from ..comm import (MAX_GROUP_TOKENS, attention2d_bytes, choose_grid, grid_rank, group_chunks, kv_moves, overlap_pays,
-                    wire_bytes)
+from ..comm import attention2d_bytes, choose_grid, grid_rank, group_chunks, kv_moves, overlap_pays, wire_bytes
 from . import compute as cost_compute
 from .hardware import (ADD_BYTES, ATTNFIX_BYTES, HARDWARE, MERGE_BYTES, Hardware, check_int, overlapped, pairs_link,
                        phase_link)
@@ -63,8 +62,8 @@ class Problem:
     node_aware: bool = True
     """Attention2D places grid rows inside a node (CPGrid(..., gpus_per_node)) when C divides GPUs per node."""
     group_tokens: int | None = None
-    """Attention2D's cap on one grouped kernel call's query tokens (comm.GROUP_TOKENS); None: comm.MAX_GROUP_TOKENS,
-    as at run time without --cp-group-tokens. Every measured set ran shards whose groups both caps give alike."""
+    """Attention2D's cap on one grouped kernel call's query tokens (comm.GROUP_TOKENS); None: its default rule, as at
+    run time without --cp-group-tokens. Every measured set ran shards whose groups both caps give alike."""
     backward: bool = True
     """Training (forward + backward) or forward only (prefill): what choose_algo minimises."""
     fp32_one_hop: bool = False
@@ -238,7 +237,7 @@ def attention2d_cost(algo: str, pb: Problem, hw: Hardware, rank: int | None = No
         # Line 5 in groups of n chunks (attention2d.ChunkGroups; the node-aware placement: n = 1): C / n Q groups
         # x R / n K, V groups of calls; a Q group merges R / n - 1 results of n chunks' rows, every call adds into
         # n chunks of dQ and of dK, dV; n > 1 interleaves the gathered Q, K, V (and dO, D, lse) in one copy each.
-        n = 1 if row_major else group_chunks(R, C, pb.batch * (pb.seq_len // P), pb.group_tokens or MAX_GROUP_TOKENS)
+        n = 1 if row_major else group_chunks(R, C, pb.batch * (pb.seq_len // P), pb.group_tokens)
         ilv = 0.0 if n == 1 else 2 / hw.mem_bw
         # (the all-to-alls of partials are timed as the reduce-scatters they replace: same bytes, same rings)
         split = False                             # the dK, dV exchange behind the own pair's last keys

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 
 from ..algos import registry
-from ..comm import GROUP_TOKENS, MAX_GROUP_TOKENS, check_group_tokens
+from ..comm import GROUP_TOKENS, check_group_tokens
 from ..cost import HARDWARE, Problem, best_grid, choose_algo
 
 DEFAULT_HARDWARE = "h200-nvlink"
@@ -36,8 +36,9 @@ def add_cp_args(parser: argparse.ArgumentParser, default: str | None = None) -> 
                         "across groups of C consecutive ranks that run the all-to-all")
     g.add_argument("--cp-group-tokens", type=int, default=None, metavar="N",
                    help=f"Attention2D: the most query tokens one grouped kernel call takes (larger calls are "
-                        f"faster and need more memory; default: the memory planner's largest that fits of "
-                        f"{', '.join(map(str, GROUP_TOKENS))}, {MAX_GROUP_TOKENS} where nothing plans)")
+                        f"faster locally and need more memory; default: up to {GROUP_TOKENS[0]}, where that "
+                        f"leaves shards the overlapped ungrouped schedule would keep, and {GROUP_TOKENS[-1]} where "
+                        f"the memory planner finds no room for it)")
     g.add_argument("--cp-gpus-per-node", type=int, default=None, metavar="N",
                    help="GPUs per node: Attention2D keeps grid rows inside a node")
     # default None (= DEFAULT_HARDWARE) so that the choice line knows whether the user asked for a cluster
@@ -62,8 +63,8 @@ class CPConfig:
     gpus_per_node: int | None = None
     """GPUs per node, for Attention2D's node-aware placement; None: column-major placement."""
     group_tokens: int | None = None
-    """Attention2D's cap on the query tokens of one grouped kernel call (comm.GROUP_TOKENS); None: the default,
-    comm.MAX_GROUP_TOKENS (megatron-cp-pretrain's memory check sets the flag to the planner's choice)."""
+    """Attention2D's cap on the query tokens of one grouped kernel call (comm.GROUP_TOKENS); None: its default rule
+    (megatron-cp-pretrain's memory check sets the smallest cap where the rule's calls do not fit)."""
     seq_length: int | None = None
     """Full sequence length, checked against the layout (2 * cp_size for zigzag, cp_size for cyclic)."""
     heads: int | None = None

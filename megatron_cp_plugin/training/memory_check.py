@@ -90,9 +90,9 @@ def allocator_env(environ=None) -> dict:
 
 def refusal(args, world: int, capacity_gib: float | None = None) -> str | None:
     """One line when the run `args` describes on `world` ranks will not fit its GPUs; None when it fits, when the
-    check is off or cannot be made (no GPU, TP > 1, which the planner does not model). When it fits and the
-    flags leave Attention2D's group cap open (no --cp-group-tokens), sets args.cp_group_tokens to the largest that
-    fits (memory.fit), which the ranks then run with."""
+    check is off or cannot be made (no GPU, TP > 1, which the planner does not model). When it fits only with
+    Attention2D's smaller grouped calls and the flags leave the cap open (no --cp-group-tokens), sets
+    args.cp_group_tokens to that cap (memory.fit), which the ranks then run with."""
     if getattr(args, "no_memory_check", False):
         return None
     gpus = devices.gpu_count()
@@ -117,7 +117,7 @@ def refusal(args, world: int, capacity_gib: float | None = None) -> str | None:
 
     gib = need(mine)
     if gib + share * HEADROOM_GIB <= capacity:
-        if m.group_tokens is None and est(mine).group_tokens is not None:
+        if m.group_tokens is None and est(mine).group_tokens is not None:     # the default rule did not fit
             args.cp_group_tokens = est(mine).group_tokens
         return None
     fits = [lay for lay in candidates(args, m, cp, "plugin") if lay != mine
