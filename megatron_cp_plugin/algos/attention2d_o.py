@@ -18,7 +18,7 @@ dV back to column-major. With one grid column (C = 1) the own pass is the last p
 Batched passes: every pass after the first has the column's K, V chunks in hand (pass 0 kept them), so its Q block
 meets them in one kernel call per mask (the chunks of residue <= the block's with the diagonal, the rest strictly
 causal) over the batch dimension, at most `batch_cap` chunks a call (the grid's group_tokens query rows, as
-Attention2D-NO's grouped calls: chunks of 8k tokens or more keep one call each, as the paper writes it), the
+Attention2D-NO's grouped calls: chunks of more than 8k tokens keep one call each, as the paper writes it), the
 call's partials merged in one launch (`merge_many_`); so do the backward's middle passes (the last keeps one call a
 chunk, each chunk's dK, dV sent down the column as soon as it is final, Alg. 11). At P = 64 on 8 x 8 that was at
 most 22 forward calls instead of 64 and 28 backward instead of 64; shards that short now take the schedule below.

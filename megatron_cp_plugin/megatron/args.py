@@ -36,9 +36,9 @@ def add_cp_args(parser: argparse.ArgumentParser, default: str | None = None) -> 
                         "across groups of C consecutive ranks that run the all-to-all")
     g.add_argument("--cp-group-tokens", type=int, default=None, metavar="N",
                    help=f"Attention2D: the most query tokens one grouped kernel call takes (larger calls are "
-                        f"faster locally and need more memory; default: up to {GROUP_TOKENS[0]}, where that "
-                        f"leaves shards the overlapped ungrouped schedule would keep, and {GROUP_TOKENS[-1]} where "
-                        f"the memory planner finds no room for it)")
+                        f"faster locally and need more memory; default: {GROUP_TOKENS[0]}, except for shards "
+                        f"{GROUP_TOKENS[-1]} would not group, which keep one chunk pair a call overlapped with the "
+                        f"gathers; {GROUP_TOKENS[-1]} where the memory planner finds no room for the larger calls)")
     g.add_argument("--cp-gpus-per-node", type=int, default=None, metavar="N",
                    help="GPUs per node: Attention2D keeps grid rows inside a node")
     # default None (= DEFAULT_HARDWARE) so that the choice line knows whether the user asked for a cluster
