@@ -212,9 +212,12 @@ def check_group_tokens(value, what: str = "--cp-group-tokens") -> int | None:
     return value
 
 
-def _chunks_within(g: int, tokens: int, cap: int) -> int:
-    """The largest divisor n of g with n x tokens <= cap, else 1."""
-    return max([n for n in range(1, g + 1) if g % n == 0 and n * tokens <= cap], default=1)
+def _by_rule(within, cap: int | None) -> int:
+    """within(cap), the chunks a call takes under `cap`; cap None: GROUP_TOKENS' default rule, the largest cap's,
+    but 1 where the smallest cap's is 1 (those shards keep one chunk pair a call)."""
+    if cap is not None:
+        return within(cap)
+    return 1 if within(GROUP_TOKENS[-1]) == 1 else within(GROUP_TOKENS[0])
 
 
 def group_chunks(rows: int, cols: int, tokens: int, cap: int | None = None) -> int:
@@ -225,20 +228,14 @@ def group_chunks(rows: int, cols: int, tokens: int, cap: int | None = None) -> i
     smallest leaves the chunks ungrouped). A square grid is then one call per rank (n = R = C: the paper's one
     FlashAttn of line 5) while R s tokens fit, an R x C grid with R = kC (or C = kR) k calls of n = min(R, C)."""
     g = math.gcd(rows, cols)
-    if cap is not None:
-        return _chunks_within(g, tokens, cap)
-    return 1 if _chunks_within(g, tokens, GROUP_TOKENS[-1]) == 1 else _chunks_within(g, tokens, GROUP_TOKENS[0])
+    return _by_rule(lambda c: max([n for n in range(1, g + 1) if g % n == 0 and n * tokens <= c], default=1), cap)
 
 
 def batch_chunks(rows: int, tokens: int, cap: int | None = None) -> int:
     """Attention2D-O's chunks per batched call of its middle passes (`attention2d_o.batch_cap`) on R = rows grid rows
     for shards of `tokens` (b x s): cap // tokens, at least 1, at most R; cap None: GROUP_TOKENS' default rule (as
     group_chunks: none batched where the smallest cap batches none)."""
-    def within(c):
-        return min(rows, max(1, c // max(1, tokens)))
-    if cap is not None:
-        return within(cap)
-    return 1 if within(GROUP_TOKENS[-1]) == 1 else within(GROUP_TOKENS[0])
+    return _by_rule(lambda c: min(rows, max(1, c // max(1, tokens))), cap)
 
 
 OVERLAP_MIN_LOCAL = 8192

@@ -109,8 +109,12 @@ def refusal(args, world: int, capacity_gib: float | None = None) -> str | None:
     share = -(-world // gpus) if devices.shares_gpu(devices.sharing(getattr(args, "share_gpu", False)), world) else 1
     mine = config_layout(args)
 
-    def est(lay) -> memory.Estimate:
-        return memory.fit(m, lay, cp, capacity / share, HEADROOM_GIB)
+    fitted: dict = {}
+
+    def est(lay) -> memory.Estimate:                 # each layout fitted once (the message reads it again)
+        if lay not in fitted:
+            fitted[lay] = memory.fit(m, lay, cp, capacity / share, HEADROOM_GIB)
+        return fitted[lay]
 
     def need(lay) -> float:
         return share * est(lay).total / memory.GiB
