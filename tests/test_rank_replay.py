@@ -99,6 +99,20 @@ def test_rank_subcommand_reports_every_algorithm(tmp_path, capsys, monkeypatch):
     assert "rank" in res["command"] and (tmp_path / "rank.md").read_text().count("\n| ") == len(rows) + 1
 
 
+def test_rank_subcommand_counts_launches_at_each_length(tmp_path, monkeypatch):
+    """The ops and kernels of a row are counted at its own length: a call's chunks, rounds and splits depend on it.
+    Attention2D-NO on 2 x 2 under a 32-token cap: 16 tokens a rank group into one call each way, 32 do not (four
+    chunk pairs each way). Counted once per (algo, grid, P), the 128-token row repeated the 64-token row's 2."""
+    from megatron_cp_plugin.bench import rank_cli
+
+    monkeypatch.setattr(rank_cli, "slowest_rank", lambda *a, **kw: 1)
+    assert bench_main(["rank", "--seq-len", "64", "128", "--cp", "4", "--heads", "2", "--kv-heads", "2",
+                       "--head-dim", "8", "--iters", "1", "--budget-s", "0", "--algos", "attention2d-no",
+                       "--grids", "square", "--group-tokens", "32", "--out", str(tmp_path / "r")]) == 0
+    rows = json.loads((tmp_path / "r.json").read_text())["rows"]
+    assert {r["S"]: r["attn_calls"] for r in rows} == {64: 2, 128: 8}
+
+
 def test_rank_subcommand_times_a_cells_rows_there_and_back(tmp_path, monkeypatch):
     """--passes 3: every row of a (length, heads, P) cell is timed in each pass, the passes in alternate orders (A B C,
     C B A, A B C), so that a device drifting during the cell moves every row alike; each row pools its passes'

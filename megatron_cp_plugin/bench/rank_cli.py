@@ -160,7 +160,7 @@ def main(argv=None):
     dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
     h, d = a.heads[0], a.head_dim
-    rows, picked, single = [], {}, {}
+    rows, picked, counted, single = [], {}, {}, {}
     start = time.perf_counter()
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
     header = (f"rank_replay: one rank's local work per algorithm, replayed on one {name} (communication replaced by "
@@ -222,25 +222,25 @@ def main(argv=None):
                             continue
                         key = (algo, grid, P, hk)
                         if key not in picked:
-                            picked[key] = [a.rank if a.rank is not None else
-                                           slowest_rank(algo, P, grid, shards, a.wire, a.group_tokens), None]
-                        rep = RankReplay(algo, P, picked[key][0], *shards, grid=grid, wire=a.wire,
+                            picked[key] = (a.rank if a.rank is not None else
+                                           slowest_rank(algo, P, grid, shards, a.wire, a.group_tokens))
+                        rep = RankReplay(algo, P, picked[key], *shards, grid=grid, wire=a.wire,
                                          group_tokens=a.group_tokens)
                         t0 = time.perf_counter()
                         rep()                                             # prepares the receives
                         _sync(dev)
                         first_ms = (time.perf_counter() - t0) * 1e3
-                        if picked[key][1] is None:                        # the same code path at every length
-                            picked[key][1] = count_launches(rep)
+                        if (S, key) not in counted:     # per length: rounds, groups and splits differ by length
+                            counted[S, key] = count_launches(rep)
                         if first_ms > a.budget_s * 1e3 / a.passes:
                             long_rows.add(id(row))                        # one pass: see --passes
                         runs.setdefault(id(row), []).append(
                             measure(rep, -(-a.iters // a.passes), a.budget_s / a.passes, first_ms))
-                        row["rank"] = picked[key][0]
+                        row["rank"] = picked[key]
                         _times(row, runs[id(row)], ideal, ideal_from,
                                lambda: model_x_ideal(algo, S, P, h, hk, d, grid, dtype.itemsize))
                         _x_ring([r for r, *_ in cell])
-                        row.update({**picked[key][1], "copies": rep.d.copies,                # of its last call
+                        row.update({**counted[S, key], "copies": rep.d.copies,              # of its last call
                                     "copy_MB": rep.d.copied_bytes / 2**20})
                         del rep                   # its buffers and prepared receives go before the next row's
                         if dev.type == "cuda":
