@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 16 item 2 on 2 x H200 (NVLink; about 3-5 minutes, stops itself before 7): megatron-cp-bench attention
+# Issue 16 item 2 on 2 x H200 (NVLink; about 4-6 minutes, stops itself before 9): megatron-cp-bench attention
 # with ring-te in the default algorithms and the fwd_bwd_x_ring_te column, bf16, causal, b = 1, d = 128, 128k:
 #   A. NVLink, MHA 16/16: every algorithm, ring-te, single GPU, the anchors (te-p2p runs where
 #      `import transformer_engine` works, else one 'not run' line);
@@ -8,14 +8,16 @@
 #      ring-te there (issue 16's was 0.8). Two warm-up calls and five timed, as A: with one and three (until
 #      2026-11-28) the first algorithm timed over sockets, ring, took 1.21 s where the same machine's next two runs
 #      of five after two gave 0.83 and 0.81 s, and burst 0.99x ring-te where they gave 0.84x and 0.86x.
+#   D. (PROFILE=0 skips it) NVLink, MHA 16/16: scripts/profile_attention.py on ring, ring-te, attention2d-no,
+#      allgather and torch CP: each rank's compute, idle and NCCL time a fwd+bwd (issue 34 item 2's "why").
 # Checks (summary.md): every run exits 0; ring-te's row has fwd_bwd_x_ring_te = 1; at P = 2 in bf16 ring sends
 # ring-te's bytes (its dK, dV make one hop in the input dtype since c68f4ff; 0.75 x ring before, the ratio at
 # P > 2, where ring's accumulators travel in fp32).
 # Writes under $OUT: A.log, B.log, C.log, summary.txt (steps), summary.md, attn_mha.{json,md}, attn_gqa.{json,md},
-# attn_sockets.{json,md} (PNGs are not written: matplotlib is not needed).
+# attn_sockets.{json,md} (PNGs are not written: matplotlib is not needed), profile/ (D: a table per rank).
 set -u
 export OUT=${OUT:-results/ring_te_check}
-BUDGET=${BUDGET:-400}
+BUDGET=${BUDGET:-520}
 if [ -d .whl ] && ! python3 -c "import megatron.core" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
@@ -26,6 +28,9 @@ B="torchrun --nproc-per-node 2 -m megatron_cp_plugin.bench attention --seq 13107
 step A 150 $B --heads 16 --warmup 2 --iters 5 --out "$OUT/attn_mha"; a=$?
 step B 120 $B --heads 32 --kv-heads 8 --warmup 2 --iters 5 --anchors te-p2p --out "$OUT/attn_gqa"; b=$?
 step C 150 $B --heads 16 --warmup 2 --iters 5 --slow-link --anchors te-p2p --out "$OUT/attn_sockets"; c=$?
+if [ "${PROFILE:-1}" != 0 ]; then
+  step D 120 torchrun --nproc-per-node 2 scripts/profile_attention.py --seq 131072 --heads 16 --out "$OUT/profile"
+fi
 python3 - "$OUT" "$a" "$b" "$c" > "$OUT/summary.md" 2>&1 <<'PY'
 import json, os, sys
 out, rcs = sys.argv[1], sys.argv[2:]

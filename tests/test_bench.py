@@ -131,3 +131,35 @@ def test_attention_too_big_configurations_are_not_run_rows(pools, tmp_path):
     assert [r.get("not_run") for r in res["rows"]] == [r.get("not_run") for r in rows]
     md = (tmp_path / "attention.md").read_text().splitlines()
     assert md[2].endswith("| not_run |") and sum("not run: needs" in line for line in md) == 1
+
+
+def test_profile_attention_splits_each_ranks_time():
+    """scripts/profile_attention.py: the interval arithmetic of its per-stream split (a kernel list made up here: a
+    compute stream busy 0-4 and 6-10 us, NCCL 3-7 us beside it), then two gloo CPU ranks profiling ring and
+    Attention2D-NO (a table each per rank; PyTorch's native CP, CUDA only, says why it did not run). On a GPU the
+    script runs in scripts/gpu_ring_te_bench_check.sh's step D (2 GPUs, NCCL)."""
+    import importlib.util
+    import os
+    import tempfile
+    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "profile_attention.py")
+    spec = importlib.util.spec_from_file_location("profile_attention", script)
+    pa = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pa)
+    kernels = [("flash_fwd", 7, 0.0, 3.0), ("add", 7, 2.0, 4.0), ("flash_bwd", 9, 6.0, 10.0),
+               ("ncclDevKernel_AllGather", 11, 3.0, 7.0)]
+    r = pa.summarize(kernels, iters=1, wall_ms=0.012)
+    assert r["compute_ms"] == pytest.approx(0.008) and r["idle_ms"] == pytest.approx(0.004)
+    assert r["nccl_ms"] == pytest.approx(0.004) and r["nccl_beside_compute_ms"] == pytest.approx(0.002)
+    assert r["streams"] == {"7": pytest.approx(0.004), "9": pytest.approx(0.004), "nccl": pytest.approx(0.004)}
+    assert pa.covered([(0, 10)], [(2, 3), (2.5, 4), (9, 12)]) == pytest.approx(3.0)
+    with tempfile.TemporaryDirectory() as out:
+        r = subprocess.run([sys.executable, "-W", "ignore", "-m", "torch.distributed.run", "--standalone",
+                            "--nproc-per-node", "2", script, "--seq", "256", "--heads", "2", "--head-dim", "16",
+                            "--iters", "1", "--algos", "ring", "attention2d-no", "torch-cp-allgather-cudnn",
+                            "--out", out], capture_output=True, text=True, timeout=300,
+                           env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))       # CPU ranks on a GPU machine too
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+        for rank in (0, 1):
+            text = open(os.path.join(out, f"profile_attention_r{rank}.txt")).read()
+            assert f"ring rank {rank}: wall" in text and f"attention2d-no rank {rank}: wall" in text, text
+            assert "aten::" in text and "torch-cp-allgather-cudnn: not run" in text

@@ -76,7 +76,8 @@ def cp1_short(tmp_path_factory):
 
 # Every algorithm and every sharding strategy once; the last run shards over data-parallel x CP = 2 x 2.
 @pytest.mark.parametrize("algo,strategy,nproc", [("ring", "optim_grads_params", 2), ("burst", "optim_grads", 2),
-                                                 ("attention2d-no", "optim", 2), ("attention2d-o", "optim_grads_params", 4)])
+                                                 ("attention2d-no", "optim", 2),
+                                                 ("attention2d-o", "optim_grads_params", 4)])
 def test_megatron_fsdp_with_every_algorithm_tracks_cp1(cp1_short, tmp_path, algo, strategy, nproc):
     log = tmp_path / "log.jsonl"
     flags = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", strategy, "--context-parallel-algo", algo]
@@ -246,7 +247,7 @@ def test_tensor_parallel_pads_the_vocabulary_and_counts_the_models_parameters(tm
         r = _pretrain("--train-iters", "3", "--tensor-model-parallel-size", str(tp), "--log-json",
                       str(tmp_path / f"tp{tp}.jsonl"), "--result-json", str(res), *flags, nproc=tp, timeout=300)
         runs[tp] = (_losses(tmp_path / f"tp{tp}.jsonl"), json.loads(res.read_text()), r.stdout)
-    (l1, rec1, out1), (l2, rec2, out2) = runs[1], runs[2]
+    (l1, rec1, _), (l2, rec2, out2) = runs[1], runs[2]
     assert rec1["vocab_size"] == rec2["vocab_size"] == 512
     assert rec1["n_params"] == rec2["n_params"]
     line = next(x for x in out2.splitlines() if "parameters" in x)
@@ -479,3 +480,4 @@ def test_evaluation_runs_without_autograd_and_with_the_parameters_gathered(monke
     assert torch.is_grad_enabled()
     assert tr.Trainer.evaluate(Stub()) == (1 + 3 + 2 + 4) / 4
     assert seen == ["sync", False, False, False, False, "end"]
+
