@@ -174,6 +174,30 @@ def test_dispatch(monkeypatch):
         sg.surrogate_out(do, delta.transpose(1, 2))
 
 
+@pytest.mark.parametrize("d", (1, 2, 5, 96, 256))
+@pytest.mark.parametrize("dt", DTYPES)
+def test_both_selections_build_the_same_tensor(dt, d):
+    """select="keys" (one max of packed int64 keys a pass) finds the entries select="argmax" finds: the outputs are
+    equal bit for bit, on rows with ties among the largest |dO| (the leftmost wins), zero rows, -0.0 entries, one
+    nonzero entry and padding (d not a power of two); on the GPU compiled, on CPUs interpreted."""
+    dtype = DTYPES[dt]
+    do, delta = _data(2, 9, 3, d, dtype, "rowsum", seed=d + 31 * list(DTYPES).index(dt))
+    do[:, 4] = 0                                                        # zero rows, D = 0 and D != 0
+    delta[0, :, 4] = 0
+    do[0, 2, 1] = -0.0                                                  # -0.0 everywhere but one entry
+    do[0, 2, 1, d // 3] = -1.5
+    do[1, 6, 2] = 0.5                                                   # all tied: the leftmost three carry
+    do[1, 6, 2, d - 1] = -0.5
+    do[1, 7, 0, : min(d, 4)] = torch.tensor([0.25, -2.0, 2.0, -0.25])[: min(d, 4)].to(dtype)   # a tie of signs
+    rpp = max(1, sg.ELEMS_PER_PROGRAM // int(2 ** (d - 1).bit_length()))
+    outs = [sg.surrogate_out_triton(do, delta, rows_per_program=rpp, select=sel) for sel in sg.SELECTS]
+    bits = torch.int32 if dtype == torch.float32 else torch.int16                  # -0.0 and 0.0 told apart
+    assert torch.equal(outs[0].view(bits), outs[1].view(bits))
+    check(do, delta, outs[1])
+    with pytest.raises(ValueError, match="select"):
+        sg.surrogate_out_triton(do, delta, select="topk")
+
+
 @needs_cuda
 @pytest.mark.parametrize("d", (64, 96, 128, 256))
 @pytest.mark.parametrize("dt", DTYPES)

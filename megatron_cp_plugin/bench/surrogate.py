@@ -2,6 +2,7 @@
 on one GPU.
 
     megatron-cp-bench surrogate [--rows 262144 65536 2097152] [--head-dim 128] [--rows-per-program 8 16 32]
+        [--select argmax keys]
 
 One call per row count, as BurstAttention / Attention2D make per travelling query block: dO [1, rows / h, h, d]
 bf16 and D [1, h, rows / h] fp32 from a real O (the default 262144 rows = 8192 tokens x 32 heads is one block of
@@ -10,7 +11,8 @@ after warm-up) of the reference and the kernel, the speedup, and the kernel's ba
 against the device copy bandwidth measured in the same run:
     bytes = rows * d * (2 B read + 2 B written) + rows * 4 B (D);  copy bandwidth = 2 * bytes / time of a 1 GiB copy.
 Both outputs' worst relative error of rowsum(dO * out) against D is printed with them. --rows-per-program adds a
-kernel row per value (the default is the module's). Without a GPU: one line, exit 0.
+kernel row per value (the default is the module's); --select a kernel row per way of finding a row's top entries
+(kernels/surrogate.py SELECT, the A/B of its default). Without a GPU: one line, exit 0.
 """
 from __future__ import annotations
 
@@ -38,6 +40,8 @@ def main(argv=None):
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     p.add_argument("--rows-per-program", type=int, nargs="*", default=[],
                    help="extra kernel rows with this many rows per program (powers of two)")
+    p.add_argument("--select", nargs="+", choices=("argmax", "keys"), default=["argmax", "keys"],
+                   help="how the kernel finds a row's top entries (kernels/surrogate.py SELECT): a row each")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--out", default="results/surrogate")
     a = p.parse_args(argv)
@@ -63,8 +67,10 @@ def main(argv=None):
         delta = (do.float() * torch.randn_like(do).float()).sum(-1).transpose(1, 2).contiguous()
         assert use_kernel(do), "the kernel cannot run on this device / dtype / head_dim"
         moved = do.numel() * (2 * do.element_size()) + delta.numel() * 4
-        kernels = {"reference (PyTorch)": lambda do=do, delta=delta: surrogate_out_reference(do, delta),
-                   "kernel (Triton)": lambda do=do, delta=delta: surrogate_out_triton(do, delta)}
+        kernels = {"reference (PyTorch)": lambda do=do, delta=delta: surrogate_out_reference(do, delta)}
+        for sel in a.select:
+            kernels[f"kernel (Triton), {sel}"] = (
+                lambda sel=sel, do=do, delta=delta: surrogate_out_triton(do, delta, select=sel))
         for rpp in a.rows_per_program:
             kernels[f"kernel, {rpp} rows/program"] = (
                 lambda rpp=rpp, do=do, delta=delta: surrogate_out_triton(do, delta, rows_per_program=rpp))

@@ -48,6 +48,13 @@ sets it; elsewhere on CPUs the reference runs (interpreted, a call costs ~15 ms 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_D = 256              # the row lives in registers: d up to 256 (the padded row of 256 fp32 per program row)
 ELEMS_PER_PROGRAM = 2048  # rows per program = this / next_power_of_2(d): 16 rows at d = 128 (untuned)
+SELECTS = ("argmax", "keys")
+SELECT = "argmax"
+"""How the kernel finds a row's three largest |dO| (`surrogate_out_triton`'s select). An H200 ran the argmax form at a
+fifth of the copy bandwidth (0.33 ms for 524288 rows, docs/performance.md, twenty-fourth session): three dependent
+argmax passes, each a two-value reduction and a sum, bound it. "keys" packs |dO|, the column and the sign into one
+int64 and takes one max a pass; not yet timed on a GPU (`megatron-cp-bench surrogate --select argmax keys`), so the
+default stays."""
 INTERPRET_ELEMS = 1 << 18  # under the interpreter (CPU tensors): a program costs ~10 ms of numpy whatever its
                            # size, so 16k rows at d = 64 take 6.3 s in programs of 32 rows, 0.2 s in 4096
 
@@ -103,6 +110,28 @@ if triton is not None:
         return j, tl.sum(tl.where(hit, x, 0.0), 1), tl.where(hit, -1.0, mag)   # (one nonzero term per row)
 
     @triton.jit
+    def _keys(x, ok, cols):
+        """One int64 per entry that orders as (|x|, leftmost column) and carries x: |x|'s fp32 bits (non-negative
+        floats order as integers), then 255 - column, then x's sign; -1 on padding (never the largest)."""
+        bits = tl.abs(x).to(tl.int32, bitcast=True).to(tl.int64)
+        key = (bits << 9) | ((255 - cols).to(tl.int64)[None, :] << 1) | (x < 0).to(tl.int64)
+        return tl.where(ok, key, -1)
+
+    @triton.jit
+    def _take_max_key(key):
+        """_take_max on `_keys`: one max reduction of one value a row gives the column and the signed value."""
+        k = tl.max(key, 1)
+        m = (k >> 9).to(tl.int32).to(tl.float32, bitcast=True)
+        return 255 - ((k >> 1) & 255).to(tl.int32), tl.where((k & 1) == 1, -m, m), tl.where(key == k[:, None], -1, key)
+
+    @triton.jit
+    def _next_top(x, sel, cols, KEYS: tl.constexpr):
+        if KEYS:
+            return _take_max_key(sel)
+        else:
+            return _take_max(x, sel, cols)
+
+    @triton.jit
     def _carry(out, rest, j, xj, cols, BIG: tl.constexpr, OUT_TY: tl.constexpr, BF16: tl.constexpr):
         """Top entry (j, xj) of each row carries rest / xj (clamped, rounded to OUT_TY; 0 where xj = 0):
         -> (out with it written, the residual left)."""
@@ -114,7 +143,7 @@ if triton is not None:
     def _surrogate_kernel(DO, DELTA, OUT, R, S, H,
                           s_db, s_ds, s_dh, s_dd, s_tb, s_th, s_ts,
                           D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, NTOP: tl.constexpr,
-                          BIG: tl.constexpr, BF16: tl.constexpr):
+                          BIG: tl.constexpr, BF16: tl.constexpr, KEYS: tl.constexpr):
         # Program p: rows p * BLOCK_R ... of R = b * s * h (row r = (b, s, h) in out's [b, s, h] order), fp32.
         OUT_TY = OUT.dtype.element_ty
         rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
@@ -131,14 +160,15 @@ if triton is not None:
         c = _round(tl.minimum(tl.maximum(c, -BIG), BIG), OUT_TY, BF16)
         out = tl.where(x > 0, c[:, None], tl.where(x < 0, -c[:, None], 0.0))
         # The NTOP = min(3, d) largest |x| carry rest = D - c * (l1 - their |x|), each in turn.
-        mag = tl.where(ok, mag, -1.0)                                      # padding is never a top entry
-        j1, x1, mag = _take_max(x, mag, cols)
+        # (KEYS: the same entries found by one single-value max a pass instead of an argmax and a sum)
+        sel = _keys(x, ok, cols) if KEYS else tl.where(ok, mag, -1.0)     # padding is never a top entry
+        j1, x1, sel = _next_top(x, sel, cols, KEYS)
         top = tl.abs(x1)
         if NTOP >= 2:
-            j2, x2, mag = _take_max(x, mag, cols)
+            j2, x2, sel = _next_top(x, sel, cols, KEYS)
             top = top + tl.abs(x2)
         if NTOP >= 3:
-            j3, x3, mag = _take_max(x, mag, cols)
+            j3, x3, sel = _next_top(x, sel, cols, KEYS)
             top = top + tl.abs(x3)
         rest = t - c * (l1 - top)
         out, rest = _carry(out, rest, j1, x1, cols, BIG, OUT_TY, BF16)
@@ -156,10 +186,16 @@ def use_kernel(do: torch.Tensor) -> bool:
             and do.dim() == 4 and 0 < do.shape[-1] <= MAX_D)
 
 
-def surrogate_out_triton(do: torch.Tensor, delta: torch.Tensor, *, rows_per_program: int | None = None):
+def surrogate_out_triton(do: torch.Tensor, delta: torch.Tensor, *, rows_per_program: int | None = None,
+                         select: str | None = None):
     """The kernel (use_kernel(do) must hold): same contract as surrogate_out_reference. rows_per_program (a
     power of two) overrides the default: ELEMS_PER_PROGRAM / padded d on GPUs, INTERPRET_ELEMS / padded d
-    (at most the rows, padded) under the interpreter."""
+    (at most the rows, padded) under the interpreter. select (default SELECT) finds the top entries: "argmax"
+    (an argmax and a sum a pass) or "keys" (one max of packed int64 keys a pass); the same entries, the same
+    output bit for bit."""
+    select = SELECT if select is None else select
+    if select not in SELECTS:
+        raise ValueError(f"surrogate_out: select must be one of {SELECTS}, got {select!r}")
     b, s, h, d = do.shape
     if tuple(delta.shape) != (b, h, s):
         raise ValueError(f"surrogate_out: delta [b, h, s] = {(b, h, s)} expected for do {tuple(do.shape)}, "
@@ -177,7 +213,7 @@ def surrogate_out_triton(do: torch.Tensor, delta: torch.Tensor, *, rows_per_prog
     _launch.launch(_surrogate_kernel, (triton.cdiv(rows, block_r),),
         do, delta, out, rows, s, h, *do.stride(), *delta.stride(),
         D=d, BLOCK_D=block_d, BLOCK_R=block_r, NTOP=min(3, d), BIG=torch.finfo(do.dtype).max,
-        BF16=do.dtype == torch.bfloat16, num_warps=4)
+        BF16=do.dtype == torch.bfloat16, KEYS=select == "keys", num_warps=4)
     return out
 
 
