@@ -16,7 +16,8 @@ The kernel runs on CUDA devices (CPU tensors under TRITON_INTERPRET=1 only with 
 bf16 and fp32 with d <= MAX_D; fp64 and everything else take the reference. dO may be any strided view
 (`do_j[:, qs]`), D any strided [b, h, s] view (`delta_j[:, :, qs]`, a transposed tensor): strides go to the
 kernel, nothing is copied. A program takes ELEMS_PER_PROGRAM / d rows (d padded to a power of two, masked);
-the three largest |dO| of a row are found by three masked argmax passes over it.
+the three largest |dO| of a row are found by three masked argmax passes over it (or, with
+select="keys", three max passes over packed int64 keys: the same entries, the same output for finite dO).
 
 The kernel does the reference's arithmetic in the reference's order, in fp32 (IEEE divisions, rounding to
 nearest even; bf16 rounding on the bits, as Triton's interpreter truncates fp32 -> bf16 casts), except that
@@ -192,7 +193,7 @@ def surrogate_out_triton(do: torch.Tensor, delta: torch.Tensor, *, rows_per_prog
     power of two) overrides the default: ELEMS_PER_PROGRAM / padded d on GPUs, INTERPRET_ELEMS / padded d
     (at most the rows, padded) under the interpreter. select (default SELECT) finds the top entries: "argmax"
     (an argmax and a sum a pass) or "keys" (one max of packed int64 keys a pass); the same entries, the same
-    output bit for bit."""
+    output bit for bit (finite dO)."""
     select = SELECT if select is None else select
     if select not in SELECTS:
         raise ValueError(f"surrogate_out: select must be one of {SELECTS}, got {select!r}")
