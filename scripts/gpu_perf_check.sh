@@ -4,7 +4,8 @@
 # like), with the cost model's compute factors fitted from it. About 8 minutes; everything stops by $BUDGET s
 # (default 590). The fused kernels' GPU tests run in scripts/gpu_tests.sh. From the repo root:
 #   OUT=/some/dir bash scripts/gpu_perf_check.sh
-# Files under $OUT: rank.log, rank.{json,md,png}, rank_compute.json (the fit), summary.txt (a line per step).
+# Files under $OUT: rank.log, rank.{json,md,png}, rank_compute.json (the fit), surrogate.{log,json,md} (the surrogate
+# kernel's A/B), summary.txt (a line per step).
 # Exits non-zero if the step fails or is skipped for time.
 set -u
 export OUT=${OUT:-results}
@@ -12,8 +13,12 @@ BUDGET=${BUDGET:-590}
 if [ -d .whl ]; then python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
   .whl/*.whl && export PYTHONPATH=/tmp/site; fi
 source "$(dirname "$0")/gpu_steps.sh"
+# The surrogate O kernel's two selections side by side (kernels/surrogate.py SELECT; burst's round call at 128k P = 64
+# is 524288 rows): the A/B that decides its default, ~20 s.
+step surrogate 45 python3 -m megatron_cp_plugin.bench surrogate --rows 524288 262144 --select argmax keys --iters 30 \
+  --out "$OUT/surrogate"
 step rank 580 python3 -m megatron_cp_plugin.bench rank --cp 4 16 64 --seq-len 131072 1048576 --heads 32 \
   --kv-heads 32 8 --iters 6 --passes 2 --budget-s 1 --ideal-max-seq 262144 --deadline-s 500 --out "$OUT/rank" \
   --fit-out "$OUT/rank_compute.json"
-cat "$OUT/rank.md" 2>/dev/null
+cat "$OUT/surrogate.md" "$OUT/rank.md" 2>/dev/null
 exit $status
