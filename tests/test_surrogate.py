@@ -188,7 +188,7 @@ def test_both_selections_build_the_same_tensor(dt, d):
     do[0, 2, 1, d // 3] = -1.5
     do[1, 6, 2] = 0.5                                                   # all tied: the leftmost three carry
     do[1, 6, 2, d - 1] = -0.5
-    do[1, 7, 0, : min(d, 4)] = torch.tensor([0.25, -2.0, 2.0, -0.25])[: min(d, 4)].to(dtype)   # a tie of signs
+    do[1, 7, 0, : min(d, 4)] = torch.tensor([0.25, -2.0, 2.0, -0.25])[: min(d, 4)].to(DEV, dtype)   # a tie of signs
     rpp = max(1, sg.ELEMS_PER_PROGRAM // int(2 ** (d - 1).bit_length()))
     outs = [sg.surrogate_out_triton(do, delta, rows_per_program=rpp, select=sel) for sel in sg.SELECTS]
     bits = torch.int32 if dtype == torch.float32 else torch.int16                  # -0.0 and 0.0 told apart
