@@ -162,7 +162,10 @@ if triton is not None:
         out = tl.where(x > 0, c[:, None], tl.where(x < 0, -c[:, None], 0.0))
         # The NTOP = min(3, d) largest |x| carry rest = D - c * (l1 - their |x|), each in turn.
         # (KEYS: the same entries found by one single-value max a pass instead of an argmax and a sum)
-        sel = _keys(x, ok, cols) if KEYS else tl.where(ok, mag, -1.0)     # padding is never a top entry
+        if KEYS:
+            sel = _keys(x, ok, cols)
+        else:
+            sel = tl.where(ok, mag, -1.0)                                  # padding is never a top entry
         j1, x1, sel = _next_top(x, sel, cols, KEYS)
         top = tl.abs(x1)
         if NTOP >= 2:
