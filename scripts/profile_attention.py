@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import math
 import os
 import time
 
@@ -29,34 +30,19 @@ from torch.profiler import ProfilerActivity, profile
 from megatron_cp_plugin.bench._common import init_distributed
 from megatron_cp_plugin.bench.anchors import Unavailable, builders
 from megatron_cp_plugin.bench.cp_attention import _cp
+from megatron_cp_plugin.bench.decode_profile import busy_us
 
 NCCL = "nccl"
 
 
-def merged(intervals) -> list[list[float]]:
-    """The union of (start, end) intervals as disjoint sorted [start, end] pieces."""
-    out = []
-    for s, e in sorted(intervals):
-        if out and s <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], e)
-        else:
-            out.append([s, e])
-    return out
-
-
 def busy(intervals) -> float:
-    """Length of the union of the intervals."""
-    return sum(e - s for s, e in merged(intervals))
+    """Length of the union of the (start, end) intervals (decode_profile's, unclipped)."""
+    return busy_us(list(intervals), -math.inf, math.inf)
 
 
 def covered(a, b) -> float:
-    """Length of union(a) that union(b) covers too."""
-    tot, pieces = 0.0, merged(b)
-    for s, e in merged(a):
-        for bs, be in pieces:
-            if be > s and bs < e:
-                tot += min(e, be) - max(s, bs)
-    return tot
+    """Length of union(a) that union(b) covers too: |A| + |B| - |A u B|."""
+    return busy(a) + busy(b) - busy(list(a) + list(b))
 
 
 def summarize(kernels, iters: int, wall_ms: float) -> dict:
