@@ -13,7 +13,7 @@ Per algorithm and rank (dir/profile_attention_r<rank>.txt; rank 0 prints its own
   nccl      the union of NCCL's kernels, and the part of it that ran beside compute (NCCL's kernels take SMs)
   streams   busy ms per stream, then the top kernels by time with their launches per fwd+bwd.
 On CPU (gloo) there are no kernels: wall and the top aten ops by self CPU time. --trace names the algorithms whose
-rank-0 Chrome trace is written (dir/trace_<algo>.json).
+Chrome trace every rank writes (dir/trace_<algo>_r<rank>.json): one rank's wait is the other's late collective.
 """
 from __future__ import annotations
 
@@ -81,7 +81,11 @@ def profile_one(fwd_bwd, iters: int, cuda: bool, trace: str | None):
     dist.barrier()
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=acts) as prof:
+        # The ranks start together inside the profiler too: its start-up differs per rank (the first algorithm's
+        # rank 0 measured 69 ms of idle waiting for rank 1, 2026-11-28, where rank 1 measured 3).
+        dist.barrier()
         if cuda:
+            torch.cuda.synchronize()
             ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
             ev[0].record()
         t0 = time.perf_counter()
@@ -115,7 +119,7 @@ def main(argv=None):
     p.add_argument("--algos", nargs="+", default=["ring", "ring-te", "attention2d-no", "allgather",
                                                   "torch-cp-allgather-cudnn"])
     p.add_argument("--iters", type=int, default=4)
-    p.add_argument("--trace", nargs="*", default=[], help="algorithms whose rank-0 Chrome trace is written")
+    p.add_argument("--trace", nargs="*", default=[], help="algorithms whose Chrome trace every rank writes")
     p.add_argument("--out", default="profile_attention")
     a = p.parse_args(argv)
     rank, world, dev = init_distributed()
@@ -136,7 +140,7 @@ def main(argv=None):
         except Unavailable as e:
             lines.append(f"{name}: not run ({e})")
             continue
-        trace = f"{a.out}/trace_{name}.json" if rank == 0 and name in a.trace else None
+        trace = f"{a.out}/trace_{name}_r{rank}.json" if name in a.trace else None
         lines.append(report(name, rank, profile_one(fwd_bwd, a.iters, cuda, trace)))
         if closer is not None:
             closer.close()

@@ -47,7 +47,7 @@ import torch
 from .. import comm
 from ..comm import CommStats, CPGrid, Ring, wire_dtype
 from ..kernels.local_attn import (acc_dtype, attention_delta, block_bwd, block_bwd_into, block_fwd, block_fwd_into,
-                                  surrogate_out)
+                                  strict_bwd, strict_fwd, surrogate_out)
 from ..kernels.merge import accumulate_, merge_, merge_many_
 from ._function import CPAttention
 from . import attention2d as a2d_no
@@ -92,8 +92,8 @@ def batch_cap(q, grid: CPGrid) -> int:
 
 
 def _rows(mask):
-    """The query rows and key rows a batched call of `mask` covers (strict: causal on q[1:], k[:-1])."""
-    return (slice(1, None), slice(None, -1)) if mask == "causal_strict" else (slice(None), slice(None))
+    """The query rows a batched call of `mask` covers (strict: rows 1:, `strict_fwd`)."""
+    return slice(1, None) if mask == "causal_strict" else slice(None)
 
 
 def _repeat(x, m):
@@ -105,14 +105,16 @@ def fwd_batched(o_t, lse_t, q_blk, st: Stacked, q_res, causal, cap, *, scale, ba
     """Alg. 6 line 5 and 6 for a pass after the first: (o_t, lse_t) [b, s, h, d] / [b, h, s] set from its calls."""
     b, first = q_blk.shape[0], True
     for mask, lo, hi in st.batches(q_res, causal, cap):
-        m, (qs, ks) = hi - lo, _rows(mask)
+        m, qs = hi - lo, _rows(mask)
         if mask == "causal_strict" and first:       # row 0 sees no key of a strict chunk
             o_t[:, :1].zero_()
             lse_t[:, :, :1].fill_(float("-inf"))
         if q_blk.shape[1] > 1 or mask != "causal_strict":
-            o_b, lse_b = block_fwd(_repeat(q_blk, m)[:, qs], st.k[lo:hi].flatten(0, 1)[:, ks],
-                                   st.v[lo:hi].flatten(0, 1)[:, ks], mask="none" if mask == "none" else "causal",
-                                   scale=scale, backend=backend)
+            args = (_repeat(q_blk, m), st.k[lo:hi].flatten(0, 1), st.v[lo:hi].flatten(0, 1))
+            if mask == "causal_strict":
+                o_b, lse_b = strict_fwd(*args, scale=scale, backend=backend)
+            else:
+                o_b, lse_b = block_fwd(*args, mask=mask, scale=scale, backend=backend)
             merge_many_(o_t[:, qs], lse_t[:, :, qs], o_b.unflatten(0, (m, b)), lse_b.unflatten(0, (m, b)), first=first)
         first = False
 
@@ -123,14 +125,16 @@ def bwd_batched(dq_t, dkv_part, blk, o_j, st: Stacked, q_res, causal, cap, *, sc
     q_j, do_j, _, lse_j = blk
     b, acc, first = q_j.shape[0], dq_t.dtype, True
     for mask, lo, hi in st.batches(q_res, causal, cap):
-        m, (qs, ks) = hi - lo, _rows(mask)
+        m, qs = hi - lo, _rows(mask)
         if mask == "causal_strict" and first:
             dq_t[:, :1].zero_()
         if q_j.shape[1] > 1 or mask != "causal_strict":
-            dq, dk, dv = block_bwd(_repeat(do_j, m)[:, qs], _repeat(q_j, m)[:, qs], st.k[lo:hi].flatten(0, 1)[:, ks],
-                                   st.v[lo:hi].flatten(0, 1)[:, ks], _repeat(o_j, m)[:, qs],
-                                   _repeat(lse_j, m)[:, :, qs], mask="none" if mask == "none" else "causal",
-                                   scale=scale, backend=backend)
+            args = (_repeat(do_j, m), _repeat(q_j, m), st.k[lo:hi].flatten(0, 1), st.v[lo:hi].flatten(0, 1),
+                    _repeat(o_j, m), _repeat(lse_j, m))
+            if mask == "causal_strict":
+                dq, dk, dv, ks = strict_bwd(*args, scale=scale, backend=backend)
+            else:
+                (dq, dk, dv), ks = block_bwd(*args, mask=mask, scale=scale, backend=backend), slice(None)
             dq = dq.unflatten(0, (m, b)).sum(0, dtype=acc)
             (dq_t[:, qs].copy_ if first else dq_t[:, qs].add_)(dq)
             for x, g in enumerate((dk, dv)):

@@ -10,8 +10,10 @@ into segments (documents); query segment i attends to key segment i only and the
 pair. One varlen kernel call per block, never one per document: aten's `_flash_attention_forward/backward`
 with cum_seq (FA2 in torch), flash-attn's `_flash_attn_varlen_*`, or the math kernel with a segment mask.
 cuDNN's varlen entry point is not used (torch's own varlen attention leaves it off; it takes no GQA).
-"causal_strict" runs as causal over q[1:], k[:-1] with a 1 x 1 dummy segment between documents whose result is
-discarded (`segments.strict_view`), for every backend, so the CPU tests run what the GPUs run.
+"causal_strict" runs as causal over q[1:] and every key where the backend's causal mask is aligned at the top left
+(`TOP_LEFT`: cuDNN, the default on Hopper, and math, so the CPU tests run what those GPUs run), else over q[1:],
+k[:-1]; packed, as causal over q[1:], k[:-1] with a 1 x 1 dummy segment between documents whose result is
+discarded (`segments.strict_view`), for every backend.
 
 q [b, sq, h, d]; k, v [b, sk, h_kv, d] with h % h_kv == 0 (GQA: K, V are never expanded, every backend
 reads the grouped heads directly). `lse` in block_bwd is the *global* lse of the query rows, and `o` their
@@ -58,6 +60,13 @@ NONDETERMINISTIC_BWD: frozenset = frozenset({"cudnn"})   # H100, cuDNN 9.19, tor
 on (tests/determinism_probe.py); the automatic choice skips them while the switch is on (--deterministic-mode)."""
 BACKENDS = ("cudnn", "flash", "flash_attn", "math")
 MATH_CHUNK = 512
+TOP_LEFT: frozenset = frozenset({"cudnn", "math"})
+"""Backends whose causal kernel, handed fewer queries than keys, aligns the mask at the top left (key j visible to
+query row i iff j <= i; flash-attn aligns it at the bottom right). They run a "causal_strict" block (j < i) as
+q[1:] over every key, where the others take q[1:] over k[:-1]: the keys keep the block's length, a multiple of the
+kernel's tile where the shard's is. cuDNN's backward of one 64k x 64k strict block with 16 heads of 128 on one H200
+(2026-11-28, dbg runs of 6 and 8 calls): 80.8-81.5 ms against 83.0-83.1 with both sides 65535 long (Attention2D's
+rank 0 at P = 2 has one such block and is the slower rank); the forward and 8k blocks the same either way."""
 
 
 # ----------------------------------------------------------------------------------------- selection
@@ -163,10 +172,9 @@ def block_fwd(q, k, v, *, mask: str = "none", scale: float | None = None, backen
     backend = select_backend(q.device, q.dtype, q.shape[-1], backend)
     sq = q.shape[1]
     if mask == "causal_strict":
-        # j < i on (q, k) is j <= i on (q[1:], k[:-1]); row 0 sees nothing.
-        o, lse = empty_result(q)
+        o, lse = empty_result(q)                      # row 0 sees nothing
         if sq > 1:
-            o[:, 1:], lse[:, :, 1:] = _FWD[backend](q[:, 1:], k[:, :-1], v[:, :-1], True, scale, chunk_size)
+            o[:, 1:], lse[:, :, 1:] = strict_fwd(q, k, v, scale=scale, backend=backend, chunk_size=chunk_size)
         return o, lse
     if sq == 0 or k.shape[1] == 0:
         return empty_result(q)
@@ -196,8 +204,8 @@ def block_bwd(do, q, k, v, o, lse, *, mask: str = "none", scale: float | None = 
     if mask == "causal_strict":
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         if q.shape[1] > 1:
-            dq[:, 1:], dk[:, :-1], dv[:, :-1] = _BWD[backend](
-                do[:, 1:], q[:, 1:], k[:, :-1], v[:, :-1], o[:, 1:], lse[:, :, 1:], True, scale, chunk_size)
+            g = strict_bwd(do, q, k, v, o, lse, scale=scale, backend=backend, chunk_size=chunk_size)
+            dq[:, 1:], dk[:, g[3]], dv[:, g[3]] = g[:3]
         return dq, dk, dv
     if q.shape[1] == 0 or k.shape[1] == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
@@ -209,16 +217,19 @@ def block_fwd_into(o_acc, lse_acc, q, k, v, *, first: bool, mask: str = "none", 
                    backend: str | None = None, cu_seqlens_q=None):
     """One block's attention merged into running (o_acc [b, sq, h, d], lse_acc [b, h, sq]) fp32 (fp64) accumulators,
     views allowed; `first`: they hold nothing yet and are set to the block's result. A "causal_strict" block is
-    the causal kernel on q[1:], k[:-1] written straight into rows 1: (row 0 sees no key), with no zero-filled
-    block result and no copy of it (block_fwd's path): Attention2D has such a block in about half its pairs."""
+    `strict_fwd` written straight into rows 1: (row 0 sees no key), with no zero-filled block result and no copy
+    of it (block_fwd's path): Attention2D has such a block in about half its pairs."""
     if mask == "causal_strict" and cu_seqlens_q is None:
+        _check(q, k, v, mask)
         if first:
             o_acc[:, :1].zero_()
             lse_acc[:, :, :1].fill_(float("-inf"))
         if q.shape[1] <= 1:
             return
-        o_acc, lse_acc, q, k, v, mask = o_acc[:, 1:], lse_acc[:, :, 1:], q[:, 1:], k[:, :-1], v[:, :-1], "causal"
-    o_b, lse_b = block_fwd(q, k, v, mask=mask, scale=scale, backend=backend, cu_seqlens_q=cu_seqlens_q)
+        o_acc, lse_acc = o_acc[:, 1:], lse_acc[:, :, 1:]
+        o_b, lse_b = strict_fwd(q, k, v, scale=scale, backend=backend)
+    else:
+        o_b, lse_b = block_fwd(q, k, v, mask=mask, scale=scale, backend=backend, cu_seqlens_q=cu_seqlens_q)
     if first:
         accumulate_(o_acc, o_b, copy=True)
         lse_acc.copy_(lse_b)
@@ -230,23 +241,61 @@ def block_bwd_into(dq_acc, dk_acc, dv_acc, do, q, k, v, o, lse, *, first_q: bool
                    scale: float | None = None, backend: str | None = None, cu_seqlens_q=None):
     """One block's gradients added into fp32 (fp64) accumulators dq_acc [b, sq, h, d], dk_acc, dv_acc [b, sk, h_kv, d]
     (views allowed); `first_q` / `first_kv`: that accumulator holds nothing yet and is set instead. o, lse: the
-    global (or surrogate) O and lse of the query rows, as in block_bwd. A "causal_strict" block runs causal on
-    q[1:], k[:-1] and adds into those rows (row 0 of dq, the last row of dk, dv get nothing), without block_bwd's
-    zero-filled full-size gradients and their copies."""
+    global (or surrogate) O and lse of the query rows, as in block_bwd. A "causal_strict" block runs `strict_bwd`
+    and adds into the rows it covers (row 0 of dq gets nothing, nor the last key row where the call leaves it out),
+    without block_bwd's zero-filled full-size gradients and their copies."""
     if mask == "causal_strict" and cu_seqlens_q is None:
+        _check(q, k, v, mask)
+        if q.shape[1] <= 1:                           # no query sees a key
+            for x, first in ((dq_acc, first_q), (dk_acc, first_kv), (dv_acc, first_kv)):
+                if first:
+                    x.zero_()
+            return
+        dq, dk, dv, ks = strict_bwd(do, q, k, v, o, lse, scale=scale, backend=backend)
         if first_q:
             dq_acc[:, :1].zero_()
-        if first_kv:
-            dk_acc[:, -1:].zero_()
-            dv_acc[:, -1:].zero_()
-        if q.shape[1] <= 1:
-            return
-        dq_acc, dk_acc, dv_acc = dq_acc[:, 1:], dk_acc[:, :-1], dv_acc[:, :-1]
-        do, q, k, v, o, lse, mask = do[:, 1:], q[:, 1:], k[:, :-1], v[:, :-1], o[:, 1:], lse[:, :, 1:], "causal"
-    dq, dk, dv = block_bwd(do, q, k, v, o, lse, mask=mask, scale=scale, backend=backend, cu_seqlens_q=cu_seqlens_q)
+        if first_kv and ks.stop is not None:          # the last key: no query sees it, the call does not write it
+            dk_acc[:, ks.stop:].zero_()
+            dv_acc[:, ks.stop:].zero_()
+        dq_acc, dk_acc, dv_acc = dq_acc[:, 1:], dk_acc[:, ks], dv_acc[:, ks]
+    else:
+        dq, dk, dv = block_bwd(do, q, k, v, o, lse, mask=mask, scale=scale, backend=backend,
+                               cu_seqlens_q=cu_seqlens_q)
     accumulate_(dq_acc, dq, copy=first_q)
     accumulate_(dk_acc, dk, copy=first_kv)
     accumulate_(dv_acc, dv, copy=first_kv)
+
+
+def _scale(q, scale):
+    return q.shape[-1] ** -0.5 if scale is None else scale
+
+
+def _strict_keys(backend: str, sk: int) -> slice:
+    """The keys a "causal_strict" block's causal kernel call reads: all of them where the mask is aligned at the
+    top left (`TOP_LEFT`), else k[:-1] (q[1:] then sees keys j <= i - 1)."""
+    return slice(None) if backend in TOP_LEFT else slice(0, sk - 1)
+
+
+def strict_fwd(q, k, v, *, scale: float | None = None, backend: str | None = None, chunk_size: int = MATH_CHUNK):
+    """Rows 1: of a "causal_strict" block (sq = sk > 1) as one causal kernel call, for callers that write them in
+    place: (o [b, sq - 1, h, d] in q.dtype, lse [b, h, sq - 1] fp32); row 0 sees no key."""
+    _check(q, k, v, "causal_strict")
+    backend = select_backend(q.device, q.dtype, q.shape[-1], backend)
+    ks = _strict_keys(backend, k.shape[1])
+    return _FWD[backend](q[:, 1:], k[:, ks], v[:, ks], True, _scale(q, scale), chunk_size)
+
+
+def strict_bwd(do, q, k, v, o, lse, *, scale: float | None = None, backend: str | None = None,
+               chunk_size: int = MATH_CHUNK):
+    """The gradients of a "causal_strict" block (sq = sk > 1) from one causal kernel call, o the global (or
+    surrogate) O: (dq of rows 1:, dk, dv of the key rows ks, ks); rows outside them get nothing (row 0 of dq, and
+    the last key where ks stops before it)."""
+    _check(q, k, v, "causal_strict")
+    backend = select_backend(q.device, q.dtype, q.shape[-1], backend)
+    ks = _strict_keys(backend, k.shape[1])
+    dq, dk, dv = _BWD[backend](do[:, 1:], q[:, 1:], k[:, ks], v[:, ks], o[:, 1:], lse[:, :, 1:], True,
+                               _scale(q, scale), chunk_size)
+    return dq, dk, dv, ks
 
 
 # ----------------------------------------------------------------------------------------- packed
