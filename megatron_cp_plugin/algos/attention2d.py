@@ -22,10 +22,10 @@ that the sum cancels or the backward amplifies (docs/design.md, wire precision, 
 
 Causal masks without an S x S mask: a gathered Q chunk holds tokens a + mP (a = a member's group rank), a
 K, V chunk tokens c + nP; key c + nP is visible to query a + mP iff n < m, or n == m and c <= a. So every
-(Q chunk, K chunk) pair is one triangle of the flash kernel: with its diagonal ("causal") when c <= a,
-without it ("causal_strict": causal on Q[1:], K[:-1]) when c > a. This holds for square and rectangular
-grids and for the node-aware rank placement alike. Fewer, larger calls (line 5 as the paper runs it, one
-FlashAttn with a lower-triangular mask): on the column-major placement the row's Q chunks have residues
+(Q chunk, K chunk) pair is one triangle of the flash kernel: with its diagonal ("causal") when c <= a, without it
+("causal_strict": one causal call on Q[1:], `local_attn.strict_fwd`) when c > a. This holds for square and
+rectangular grids and for the node-aware rank placement alike. Fewer, larger calls (line 5 as the paper runs it,
+one FlashAttn with a lower-triangular mask): on the column-major placement the row's Q chunks have residues
 i + cR and the column's K, V chunks j + rC, so for T a multiple of lcm(R, C) they fall into groups of n = P / T
 chunks with residues a, a + T, ..; interleaved, a group's rows are the tokens a + Tu in order, and a (Q group,
 K, V group) pair is again one triangle, by the rule above with T for P (`ChunkGroups`). A square grid is one
