@@ -3,7 +3,10 @@
 
     python -m megatron_cp_plugin.bench.local_attn --seq 16384 65536
 
-Per backend and mask: fwd and fwd+bwd ms and TFLOP/s (formula printed), and the ratio to cuDNN.
+Per backend and mask: fwd and fwd+bwd ms and TFLOP/s (formula printed), and the ratio to cuDNN. "causal_strict"
+(Attention2D's blocks without their diagonal) counts the causal FLOPs:
+
+    python -m megatron_cp_plugin.bench.local_attn --seq 65536 --masks causal causal_strict
 The merge row: bytes = o fp32 read+write (8) + o_blk bf16 read (2) per element, lse ignored.
 Memory: each length's need (`need`: its q, k, v, dO and one kernel's fwd+bwd) is checked against what the device
 has free before anything of it is allocated; a length that does not fit is one row with `not_run` (the reason,
@@ -17,7 +20,7 @@ import torch
 
 from megatron_cp_plugin.bench._common import FLOP_FORMULA, attention_flop, not_fitting, time_ms, write_report
 from megatron_cp_plugin.bench.cp_attention import attention_need, input_bytes
-from megatron_cp_plugin.kernels.local_attn import BACKENDS, unsupported, block_bwd, block_fwd
+from megatron_cp_plugin.kernels.local_attn import BACKENDS, MASKS, unsupported, block_bwd, block_fwd
 from megatron_cp_plugin.kernels.merge import merge_
 
 
@@ -33,7 +36,7 @@ def _length(a, s, hk, dev, dtype) -> list[dict]:
     rows = []
     q, k, v, do = (torch.randn(1, s, n, a.head_dim, device=dev, dtype=dtype) for n in (a.heads, hk, hk, a.heads))
     for mask in a.masks:
-        causal = mask == "causal"
+        causal = mask != "none"
         base = {}
         for be in BACKENDS:
             if unsupported(be, dev, dtype, a.head_dim) or (be == "math" and s > a.math_max_seq):
@@ -62,7 +65,7 @@ def main(argv=None):
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--kv-heads", type=int, default=None)
     p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--masks", nargs="+", default=["causal", "none"])
+    p.add_argument("--masks", nargs="+", default=["causal", "none"], choices=MASKS)
     p.add_argument("--math-max-seq", type=int, default=8192, help="skip the math backend above this length")
     p.add_argument("--out", default="results/local_attn")
     a = p.parse_args(argv)

@@ -65,8 +65,9 @@ TOP_LEFT: frozenset = frozenset({"cudnn", "math"})
 query row i iff j <= i; flash-attn aligns it at the bottom right). They run a "causal_strict" block (j < i) as
 q[1:] over every key, where the others take q[1:] over k[:-1]: the keys keep the block's length, a multiple of the
 kernel's tile where the shard's is. cuDNN's backward of one 64k x 64k strict block with 16 heads of 128 on one H200
-(2026-11-28, dbg runs of 6 and 8 calls): 80.8-81.5 ms against 83.0-83.1 with both sides 65535 long (Attention2D's
-rank 0 at P = 2 has one such block and is the slower rank); the forward and 8k blocks the same either way."""
+(2026-11-28, docs/results/p2_profile_s27/strict_split_h200.txt): 80.8-81.5 ms against 83.0-83.1 with both sides
+65535 long (Attention2D's rank 0 at P = 2 has one such block and is the slower rank); the forward and 8k blocks the
+same either way. `megatron-cp-bench local-attn --seq 65536 --masks causal causal_strict` times it."""
 
 
 # ----------------------------------------------------------------------------------------- selection
