@@ -161,7 +161,7 @@ def block_fwd(q, k, v, *, mask: str = "none", scale: float | None = None, backen
     """Attention of q over k, v with `mask`: (o [b, sq, h, d] in q.dtype, lse [b, h, sq] fp32; fp64 for fp64).
     cu_seqlens_q / _k: packed segments of the rows (b = 1; see the module docstring); _k defaults to _q."""
     _check(q, k, v, mask)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scale = _scale(q, scale)
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
         return _varlen_fwd(q, k, v, mask, scale, backend, chunk_size, *_pair(q, k, mask, cu_seqlens_q, cu_seqlens_k))
     if isinstance(mask, torch.Tensor):                # forward only (decoding): the math kernel takes any mask
@@ -194,7 +194,7 @@ def block_bwd(do, q, k, v, o, lse, *, mask: str = "none", scale: float | None = 
     _check(q, k, v, mask)
     if o is None and delta is None:
         raise ValueError("block_bwd needs o or delta")
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scale = _scale(q, scale)
     packed = cu_seqlens_q is not None or cu_seqlens_k is not None
     segs = _pair(q, k, mask, cu_seqlens_q, cu_seqlens_k) if packed else None
     backend = select_backend(q.device, q.dtype, q.shape[-1], backend, packed=packed)
@@ -205,8 +205,8 @@ def block_bwd(do, q, k, v, o, lse, *, mask: str = "none", scale: float | None = 
     if mask == "causal_strict":
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         if q.shape[1] > 1:
-            g = strict_bwd(do, q, k, v, o, lse, scale=scale, backend=backend, chunk_size=chunk_size)
-            dq[:, 1:], dk[:, g[3]], dv[:, g[3]] = g[:3]
+            dq_s, dk_s, dv_s, ks = strict_bwd(do, q, k, v, o, lse, scale=scale, backend=backend, chunk_size=chunk_size)
+            dq[:, 1:], dk[:, ks], dv[:, ks] = dq_s, dk_s, dv_s
         return dq, dk, dv
     if q.shape[1] == 0 or k.shape[1] == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
@@ -268,6 +268,7 @@ def block_bwd_into(dq_acc, dk_acc, dv_acc, do, q, k, v, o, lse, *, first_q: bool
 
 
 def _scale(q, scale):
+    """The softmax scale: `scale`, or 1 / sqrt(head dim) where None (flash-attn's softmax_scale=None)."""
     return q.shape[-1] ** -0.5 if scale is None else scale
 
 
