@@ -314,7 +314,8 @@ def test_auto_chooses_the_collective_algorithms():
     assert cm.best_grid("ulysses-ring", Problem(131072, 8, 4, 4), nv) == (2, 4)
     pb = Problem(131072, 64, 32, 8)                                        # 8 nodes: no all-to-all over 64
     name, times = choose_algo(pb, ib)
-    assert "ulysses" not in times and name == "ulysses-ring" and times[name] < 0.6 * times["attention2d-o"]
+    # 0.62x Attention2D-O with the H200 fit of 2026-11-28 (its P = 64 factor 1.04; 0.59x with the H100's 1.09)
+    assert "ulysses" not in times and name == "ulysses-ring" and times[name] < 0.65 * times["attention2d-o"]
     R, U = cm.best_grid(name, pb, ib)
     assert R * U == 64 and 32 % U == 0 and 1 < U < 64
     # The heads a grid's all-to-all cannot split predict no time at all, never a choice.
