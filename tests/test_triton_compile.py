@@ -51,7 +51,7 @@ for dt, tdt in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torc
         case(f"surrogate {dt} keys={keys}", surrogate._surrogate_kernel,
              {"DO": f"*{dt}", "DELTA": "*fp32", "OUT": f"*{dt}"},
              {"D": 128, "BLOCK_D": 128, "BLOCK_R": 16, "NTOP": 3, "BIG": torch.finfo(tdt).max, "BF16": dt == "bf16",
-              "KEYS": keys})
+              "KEYS": keys, "SHIFT": surrogate.KEY_SHIFT.get(tdt, -1)})
     for copy in (False, True):
         case(f"accumulate {dt} copy={copy}", merge._accumulate_kernel, {"A": "*fp32", "X": f"*{dt}"},
              {"BLOCK_R": 32, "BLOCK_D": 128, "COPY": copy})

@@ -17,7 +17,8 @@ bf16 and fp32 with d <= MAX_D; fp64 and everything else take the reference. dO m
 (`do_j[:, qs]`), D any strided [b, h, s] view (`delta_j[:, :, qs]`, a transposed tensor): strides go to the
 kernel, nothing is copied. A program takes ELEMS_PER_PROGRAM / d rows (d padded to a power of two, masked);
 the three largest |dO| of a row are found by three masked argmax passes over it (or, with
-select="keys", three max passes over packed int64 keys: the same entries, the same output for finite dO).
+select="keys", three max passes over packed integer keys, int32 for 16-bit dO and int64 for fp32: the same
+entries, the same output for finite dO).
 
 The kernel does the reference's arithmetic in the reference's order, in fp32 (IEEE divisions, rounding to
 nearest even; bf16 rounding on the bits, as Triton's interpreter truncates fp32 -> bf16 casts), except that
@@ -52,10 +53,13 @@ ELEMS_PER_PROGRAM = 2048  # rows per program = this / next_power_of_2(d): 16 row
 SELECTS = ("argmax", "keys")
 SELECT = "argmax"
 """How the kernel finds a row's three largest |dO| (`surrogate_out_triton`'s select). An H200 ran the argmax form at a
-fifth of the copy bandwidth (0.33 ms for 524288 rows, docs/performance.md, twenty-fourth session): three dependent
-argmax passes, each a two-value reduction and a sum, bound it. "keys" packs |dO|, the column and the sign into one
-int64 and takes one max a pass; not yet timed on a GPU (`megatron-cp-bench surrogate --select argmax keys`), so the
-default stays."""
+fifth of the copy bandwidth (0.33 ms for 524288 rows, docs/performance.md, twenty-fourth session). "keys" packs |dO|,
+the column and the sign into one integer and takes one max a pass: with int64 keys for every dtype it was slower
+(0.331 against 0.319 ms, one H200, twenty-eighth session); 16-bit dO now packs into int32 (its |dO| has at most 11
+significant bits, so fp32's low 13 are zero and dropped), not yet timed (`megatron-cp-bench surrogate --select argmax
+keys --num-warps 2 4 8`), so the default stays."""
+NUM_WARPS = 4             # warps a program (untuned; the bench's --num-warps sweeps it)
+KEY_SHIFT = {torch.bfloat16: 16, torch.float16: 13}   # fp32 bits a 16-bit value leaves zero: 23 - its 7 or 10
 INTERPRET_ELEMS = 1 << 18  # under the interpreter (CPU tensors): a program costs ~10 ms of numpy whatever its
                            # size, so 16k rows at d = 64 take 6.3 s in programs of 32 rows, 0.2 s in 4096
 
@@ -111,24 +115,33 @@ if triton is not None:
         return j, tl.sum(tl.where(hit, x, 0.0), 1), tl.where(hit, -1.0, mag)   # (one nonzero term per row)
 
     @triton.jit
-    def _keys(x, ok, cols):
-        """One int64 per entry that orders as (|x|, leftmost column) and carries x: |x|'s fp32 bits (non-negative
-        floats order as integers), then 255 - column, then x's sign; -1 on padding (never the largest)."""
-        bits = tl.abs(x).to(tl.int32, bitcast=True).to(tl.int64)
-        key = (bits << 9) | ((255 - cols).to(tl.int64)[None, :] << 1) | (x < 0).to(tl.int64)
+    def _keys(x, ok, cols, SHIFT: tl.constexpr):
+        """One integer per entry that orders as (|x|, leftmost column) and carries x: |x|'s fp32 bits (non-negative
+        floats order as integers) without their SHIFT low bits, then 255 - column, then x's sign; -1 on padding
+        (never the largest). SHIFT >= 0 (16-bit dO, whose fp32 values end in SHIFT zero bits): int32 keys of at most
+        27 bits; SHIFT < 0 (fp32): int64 keys of 40."""
+        if SHIFT >= 0:
+            bits = tl.abs(x).to(tl.int32, bitcast=True) >> SHIFT
+            key = (bits << 9) | ((255 - cols)[None, :] << 1) | (x < 0).to(tl.int32)
+        else:
+            bits = tl.abs(x).to(tl.int32, bitcast=True).to(tl.int64)
+            key = (bits << 9) | ((255 - cols).to(tl.int64)[None, :] << 1) | (x < 0).to(tl.int64)
         return tl.where(ok, key, -1)
 
     @triton.jit
-    def _take_max_key(key):
+    def _take_max_key(key, SHIFT: tl.constexpr):
         """_take_max on `_keys`: one max reduction of one value a row gives the column and the signed value."""
         k = tl.max(key, 1)
-        m = (k >> 9).to(tl.int32).to(tl.float32, bitcast=True)
+        bits = (k >> 9).to(tl.int32)
+        if SHIFT > 0:
+            bits = bits << SHIFT
+        m = bits.to(tl.float32, bitcast=True)
         return 255 - ((k >> 1) & 255).to(tl.int32), tl.where((k & 1) == 1, -m, m), tl.where(key == k[:, None], -1, key)
 
     @triton.jit
-    def _next_top(x, sel, cols, KEYS: tl.constexpr):
+    def _next_top(x, sel, cols, KEYS: tl.constexpr, SHIFT: tl.constexpr):
         if KEYS:
-            return _take_max_key(sel)
+            return _take_max_key(sel, SHIFT)
         else:
             return _take_max(x, sel, cols)
 
@@ -144,7 +157,7 @@ if triton is not None:
     def _surrogate_kernel(DO, DELTA, OUT, R, S, H,
                           s_db, s_ds, s_dh, s_dd, s_tb, s_th, s_ts,
                           D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, NTOP: tl.constexpr,
-                          BIG: tl.constexpr, BF16: tl.constexpr, KEYS: tl.constexpr):
+                          BIG: tl.constexpr, BF16: tl.constexpr, KEYS: tl.constexpr, SHIFT: tl.constexpr):
         # Program p: rows p * BLOCK_R ... of R = b * s * h (row r = (b, s, h) in out's [b, s, h] order), fp32.
         OUT_TY = OUT.dtype.element_ty
         rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
@@ -163,16 +176,16 @@ if triton is not None:
         # The NTOP = min(3, d) largest |x| carry rest = D - c * (l1 - their |x|), each in turn.
         # (KEYS: the same entries found by one single-value max a pass instead of an argmax and a sum)
         if KEYS:
-            sel = _keys(x, ok, cols)
+            sel = _keys(x, ok, cols, SHIFT)
         else:
             sel = tl.where(ok, mag, -1.0)                                  # padding is never a top entry
-        j1, x1, sel = _next_top(x, sel, cols, KEYS)
+        j1, x1, sel = _next_top(x, sel, cols, KEYS, SHIFT)
         top = tl.abs(x1)
         if NTOP >= 2:
-            j2, x2, sel = _next_top(x, sel, cols, KEYS)
+            j2, x2, sel = _next_top(x, sel, cols, KEYS, SHIFT)
             top = top + tl.abs(x2)
         if NTOP >= 3:
-            j3, x3, sel = _next_top(x, sel, cols, KEYS)
+            j3, x3, sel = _next_top(x, sel, cols, KEYS, SHIFT)
             top = top + tl.abs(x3)
         rest = t - c * (l1 - top)
         out, rest = _carry(out, rest, j1, x1, cols, BIG, OUT_TY, BF16)
@@ -191,12 +204,12 @@ def use_kernel(do: torch.Tensor) -> bool:
 
 
 def surrogate_out_triton(do: torch.Tensor, delta: torch.Tensor, *, rows_per_program: int | None = None,
-                         select: str | None = None):
+                         select: str | None = None, num_warps: int | None = None):
     """The kernel (use_kernel(do) must hold): same contract as surrogate_out_reference. rows_per_program (a
     power of two) overrides the default: ELEMS_PER_PROGRAM / padded d on GPUs, INTERPRET_ELEMS / padded d
     (at most the rows, padded) under the interpreter. select (default SELECT) finds the top entries: "argmax"
-    (an argmax and a sum a pass) or "keys" (one max of packed int64 keys a pass); the same entries, the same
-    output bit for bit (finite dO)."""
+    (an argmax and a sum a pass) or "keys" (one max of packed integer keys a pass); the same entries, the same
+    output bit for bit (finite dO). num_warps (default NUM_WARPS) is the launch's."""
     select = SELECT if select is None else select
     if select not in SELECTS:
         raise ValueError(f"surrogate_out: select must be one of {SELECTS}, got {select!r}")
@@ -217,7 +230,8 @@ def surrogate_out_triton(do: torch.Tensor, delta: torch.Tensor, *, rows_per_prog
     _launch.launch(_surrogate_kernel, (triton.cdiv(rows, block_r),),
         do, delta, out, rows, s, h, *do.stride(), *delta.stride(),
         D=d, BLOCK_D=block_d, BLOCK_R=block_r, NTOP=min(3, d), BIG=torch.finfo(do.dtype).max,
-        BF16=do.dtype == torch.bfloat16, KEYS=select == "keys", num_warps=4)
+        BF16=do.dtype == torch.bfloat16, KEYS=select == "keys", SHIFT=KEY_SHIFT.get(do.dtype, -1),
+        num_warps=NUM_WARPS if num_warps is None else num_warps)
     return out
 
 
