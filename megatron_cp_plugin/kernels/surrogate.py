@@ -49,16 +49,20 @@ INTERPRET_CPU = False
 sets it; elsewhere on CPUs the reference runs (interpreted, a call costs ~15 ms against 0.2 ms)."""
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_D = 256              # the row lives in registers: d up to 256 (the padded row of 256 fp32 per program row)
-ELEMS_PER_PROGRAM = 2048  # rows per program = this / next_power_of_2(d): 16 rows at d = 128 (untuned)
+ELEMS_PER_PROGRAM = 512   # rows per program = this / next_power_of_2(d): 4 rows at d = 128 (measured, below)
 SELECTS = ("argmax", "keys")
-SELECT = "argmax"
-"""How the kernel finds a row's three largest |dO| (`surrogate_out_triton`'s select). An H200 ran the argmax form at a
-fifth of the copy bandwidth (0.33 ms for 524288 rows, docs/performance.md, twenty-fourth session). "keys" packs |dO|,
-the column and the sign into one integer and takes one max a pass: with int64 keys for every dtype it was slower
-(0.331 against 0.319 ms, one H200, twenty-eighth session); 16-bit dO now packs into int32 (its |dO| has at most 11
-significant bits, so fp32's low 13 are zero and dropped), not yet timed (`megatron-cp-bench surrogate --select argmax
-keys --num-warps 2 4 8`), so the default stays."""
-NUM_WARPS = 4             # warps a program (untuned; the bench's --num-warps sweeps it)
+SELECT = "keys"
+"""How the kernel finds a row's three largest |dO| (`surrogate_out_triton`'s select): "argmax" takes an argmax and
+a sum a pass; "keys" packs |dO|, the column and the sign into one integer (int32 for 16-bit dO, whose fp32 values
+end in 13 or 16 zero bits that are dropped; int64 for fp32) and takes one max a pass. The same entries, the same
+output bit for bit (tests/test_surrogate.py, compiled on the GPU for every launch shape below)."""
+NUM_WARPS = 1
+"""Warps a program. With ELEMS_PER_PROGRAM and SELECT, the fastest of `megatron-cp-bench surrogate --rows 524288
+131072 --select argmax keys --num-warps 1 2 4 8 --rows-per-program 4 16 64` on one H200 (twenty-eighth session,
+docs/results/surrogate_sweep_s28/): 524288 rows (burst's round call at 128k over P = 64), d = 128, bf16: keys with 1
+warp and 4 rows a program 0.237 ms, 0.28 of the copy bandwidth, against 0.370 for the form shipped before (argmax, 4
+warps, 16 rows); 131072 rows 0.120 against 0.150 ms (the fastest there, keys with 2 warps and 4 rows, 0.109). Burst's
+slowest rank at 128k over P = 64 (its replay, ranks 0 and 5) went from 23.7-24.3 to 22.3-23.2 ms with it."""
 KEY_SHIFT = {torch.bfloat16: 16, torch.float16: 13}   # fp32 bits a 16-bit value leaves zero: 23 - its 7 or 10
 INTERPRET_ELEMS = 1 << 18  # under the interpreter (CPU tensors): a program costs ~10 ms of numpy whatever its
                            # size, so 16k rows at d = 64 take 6.3 s in programs of 32 rows, 0.2 s in 4096

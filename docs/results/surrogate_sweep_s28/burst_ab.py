@@ -1,0 +1,33 @@
+# burst's slowest rank at 128k P = 64 with the surrogate's shipped launch against the sweep's fastest (read from the
+# bench JSON), alternating, median of 7 after 3; ring beside it.
+import json, sys, statistics, torch
+from megatron_cp_plugin.bench.rank_replay import RankReplay, _shards
+from megatron_cp_plugin.kernels import surrogate as sg
+rows = json.load(open(sys.argv[1]))["rows"]
+best = min((r for r in rows if r.get("rows") == 524288 and r["kernel"].startswith("kernel") and r.get("ms")),
+           key=lambda r: r["ms"])
+print("fastest at 524288 rows:", best["kernel"], best["ms"])
+parts = best["kernel"].split(", ")
+sel = parts[1]; nw = 4; rpp = 16
+for p in parts[2:]:
+    if p.endswith("warps"): nw = int(p.split()[0])
+    if p.endswith("rows/program"): rpp = int(p.split()[0])
+ship = (sg.SELECT, sg.NUM_WARPS, sg.ELEMS_PER_PROGRAM)
+cand = (sel, nw, rpp * 128)
+dev = torch.device("cuda")
+shards = _shards(131072, 64, 32, 32, 128, dev, torch.bfloat16)
+def t(algo, cfg, rank):
+    sg.SELECT, sg.NUM_WARPS, sg.ELEMS_PER_PROGRAM = cfg
+    rep = RankReplay(algo, 64, rank, *shards)
+    for _ in range(3): rep()
+    ts = []
+    for _ in range(7):
+        e = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+        e[0].record(); rep(); e[1].record(); e[1].synchronize(); ts.append(e[0].elapsed_time(e[1]))
+    del rep; torch.cuda.empty_cache()
+    return statistics.median(ts)
+for rank in (5, 0):
+    for rnd in range(2):
+        a, b = t("burst", ship, rank), t("burst", cand, rank)
+        print(f"rank {rank} round {rnd}: burst shipped {ship} {a:.2f} ms, candidate {cand} {b:.2f} ms, "
+              f"ring {t('ring', ship, rank):.2f} ms", flush=True)
