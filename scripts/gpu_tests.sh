@@ -42,6 +42,8 @@ PY
 # pytest-timeout's signal cannot interrupt it). --maxschedchunk 1: xdist hands each worker one test at a time, so
 # that no long test waits queued behind another worker's while the other workers idle at the end.
 export MCP_FAILURE_LOG="$OUT/failures.txt" MCP_RUNNING_LOG="$OUT/running.txt"
+# The tests that took 20 s or more start first, longest first (tests/conftest.py; MCP_LONG_TESTS= turns it off).
+export MCP_LONG_TESTS=${MCP_LONG_TESTS-scripts/test_long.tsv}
 : > "$MCP_FAILURE_LOG"; : > "$MCP_RUNNING_LOG"
 # Every 3 s, each process on a GPU (its memory and command line) to $OUT/gpu_mem.tsv: shard 2 of 2026-11-28 (2 x
 # H100) failed 4 tests with CUDA out of memory at context creation, with nothing to say which processes held it.
