@@ -13,8 +13,8 @@ BUDGET=${BUDGET:-590}
 if [ -d .whl ]; then python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
   .whl/*.whl && export PYTHONPATH=/tmp/site; fi
 source "$(dirname "$0")/gpu_steps.sh"
-# The surrogate O kernel's two selections side by side (kernels/surrogate.py SELECT; burst's round call at 128k P = 64
-# is 524288 rows): the A/B that decides its default, ~20 s.
+# The surrogate O kernel's two selections side by side at the shipped launch (kernels/surrogate.py SELECT, keys since
+# the twenty-eighth session's sweep; burst's round call at 128k P = 64 is 524288 rows), ~20 s.
 step surrogate 45 python3 -m megatron_cp_plugin.bench surrogate --rows 524288 262144 --select argmax keys --iters 30 \
   --out "$OUT/surrogate"
 step rank 580 python3 -m megatron_cp_plugin.bench rank --cp 4 16 64 --seq-len 131072 1048576 --heads 32 \
