@@ -501,3 +501,21 @@ def test_rounds_make_their_per_peer_views_in_one_call_a_tensor(monkeypatch, algo
     # one view a peer and tensor would be 16 peers x 4 tensors x 4 rounds x 2 (forward, backward) = 512 at least;
     # what is left is per call (a call's query rows, keys, lse): ~110 here
     assert len(views) <= 256, (len(views), views.count("select"), views.count("slice"))
+
+
+def test_slowest_rank_looks_twice_at_the_slowest():
+    """The slowest rank is the largest median of a second look at the first pass's slowest few, not the first pass's
+    largest single call: ring's ranks differ by about one call's noise (one call a rank picked ring's rank 39 at 128k
+    over P = 64 where ranks 0-5 are 6 % slower, twenty-eighth session)."""
+    from megatron_cp_plugin.bench import rank_cli
+
+    true = [10.0, 12.0, 11.0, 10.5, 9.0, 11.5, 10.0, 9.5]            # rank 1 is the slowest
+    noise = {6: 5.0}                                                # rank 6's one call hit a hiccup
+    calls = []
+
+    def timer(r, n):
+        calls.append((r, n))
+        return true[r] + (noise.get(r, 0.0) if n == 1 else 0.0)
+    assert rank_cli.slowest_rank("ring", 8, None, (), timer=timer) == 1
+    assert [c for c in calls if c[1] == 1] == [(r, 1) for r in range(8)]
+    assert sorted(r for r, n in calls if n > 1) == [1, 2, 5, 6]     # the four slowest of the first look, again

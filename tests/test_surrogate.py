@@ -198,6 +198,23 @@ def test_both_selections_build_the_same_tensor(dt, d):
         sg.surrogate_out_triton(do, delta, select="topk")
 
 
+@pytest.mark.parametrize("dt", DTYPES)
+def test_looping_programs_build_the_same_tensor(dt):
+    """A grid of fewer programs than tiles (programs_per_sm > 0: each program loops over tiles, the next one's load
+    in flight) writes every row, the partial last tile included, bit for bit as a program a tile does; one "SM"
+    under the interpreter, so 1-3 programs over 7 tiles here."""
+    dtype = DTYPES[dt]
+    do, delta = _data(1, 13, 2, 96, dtype, "rowsum", seed=5)            # 26 rows: 7 tiles of 4, the last of 2
+    one = sg.surrogate_out_triton(do, delta, rows_per_program=4, programs_per_sm=0)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    for pps in (1, 2, 3):
+        out = sg.surrogate_out_triton(do, delta, rows_per_program=4, programs_per_sm=pps)
+        assert torch.equal(out.view(bits), one.view(bits)), pps
+    check(do, delta, one)
+    with pytest.raises(ValueError, match="programs_per_sm"):
+        sg.surrogate_out_triton(do, delta, programs_per_sm=-1)
+
+
 @needs_cuda
 @pytest.mark.parametrize("d", (64, 96, 128, 256))
 @pytest.mark.parametrize("dt", DTYPES)
@@ -223,9 +240,10 @@ def test_gpu_kernel_matches_reference(dt, d):
 @needs_cuda
 @pytest.mark.parametrize("dt", DTYPES)
 def test_gpu_every_launch_shape_meets_the_property(dt):
-    """Every (select, warps, rows a program) the benchmark sweeps (`megatron-cp-bench surrogate --select ...
-    --num-warps ... --rows-per-program ...`) builds a tensor that meets the property, with the same entries for both
-    selections: whichever the sweep makes the default has run here compiled."""
+    """Every (select, warps, rows a program, programs an SM) the benchmark sweeps (`megatron-cp-bench surrogate
+    --select ... --num-warps ... --rows-per-program ... --programs-per-sm ...`) builds a tensor that meets the
+    property, with the same entries for both selections: whichever the sweep makes the default has run here
+    compiled."""
     dtype = DTYPES[dt]
     g = torch.Generator(device="cuda").manual_seed(11)
     do = torch.randn(1, 1000, 8, 128, device="cuda", generator=g).to(dtype)
@@ -233,11 +251,11 @@ def test_gpu_every_launch_shape_meets_the_property(dt):
     delta = (do.float() * o.float()).sum(-1).transpose(1, 2).contiguous()
     do[0, 7] = 0
     ref = sg.surrogate_out_reference(do, delta)
-    for nw in (1, 2, 4, 8):
-        for rpp in (1, 4, 16, 64):
-            outs = [sg.surrogate_out_triton(do, delta, select=sel, num_warps=nw, rows_per_program=rpp)
-                    for sel in sg.SELECTS]
-            for out in outs:
-                check(do, delta, out, ref)
-            bits = torch.int32 if dtype == torch.float32 else torch.int16
-            assert torch.equal(outs[0].view(bits), outs[1].view(bits)), (nw, rpp)
+    for nw, rpp, pps in [(nw, rpp, 0) for nw in (1, 2, 4, 8) for rpp in (1, 4, 16, 64)] + [
+            (nw, rpp, pps) for nw in (1, 2, 4) for rpp in (4, 8, 16) for pps in (1, 4, 16)]:
+        outs = [sg.surrogate_out_triton(do, delta, select=sel, num_warps=nw, rows_per_program=rpp,
+                                        programs_per_sm=pps) for sel in sg.SELECTS]
+        for out in outs:
+            check(do, delta, out, ref)
+        bits = torch.int32 if dtype == torch.float32 else torch.int16
+        assert torch.equal(outs[0].view(bits), outs[1].view(bits)), (nw, rpp, pps)

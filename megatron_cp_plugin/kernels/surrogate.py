@@ -31,6 +31,8 @@ reference's own error on the same rows, and c * sign(dO) off the top entries to 
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 try:
@@ -63,6 +65,9 @@ docs/results/surrogate_sweep_s28/): 524288 rows (burst's round call at 128k over
 warp and 4 rows a program 0.237 ms, 0.28 of the copy bandwidth, against 0.370 for the form shipped before (argmax, 4
 warps, 16 rows); 131072 rows 0.120 against 0.150 ms (the fastest there, keys with 2 warps and 4 rows, 0.109). Burst's
 slowest rank at 128k over P = 64 (its replay, ranks 0 and 5) went from 23.7-24.3 to 22.3-23.2 ms with it."""
+PROGRAMS_PER_SM = 0
+"""Programs launched an SM (0: a program a tile of rows, the grid the tiles). With n > 0 the grid is n programs an
+SM, each looping over tiles and loading the next while it computes this one."""
 KEY_SHIFT = {torch.bfloat16: 16, torch.float16: 13}   # fp32 bits a 16-bit value leaves zero: 23 - its 7 or 10
 INTERPRET_ELEMS = 1 << 18  # under the interpreter (CPU tensors): a program costs ~10 ms of numpy whatever its
                            # size, so 16k rows at d = 64 take 6.3 s in programs of 32 rows, 0.2 s in 4096
@@ -158,13 +163,11 @@ if triton is not None:
         return tl.where(cols[None, :] == j[:, None], val[:, None], out), rest - xj * val
 
     @triton.jit
-    def _surrogate_kernel(DO, DELTA, OUT, R, S, H,
-                          s_db, s_ds, s_dh, s_dd, s_tb, s_th, s_ts,
-                          D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, NTOP: tl.constexpr,
-                          BIG: tl.constexpr, BF16: tl.constexpr, KEYS: tl.constexpr, SHIFT: tl.constexpr):
-        # Program p: rows p * BLOCK_R ... of R = b * s * h (row r = (b, s, h) in out's [b, s, h] order), fp32.
-        OUT_TY = OUT.dtype.element_ty
-        rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    def _load_rows(DO, DELTA, tile, R, S, H, s_db, s_ds, s_dh, s_dd, s_tb, s_th, s_ts,
+                   D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
+        """Rows tile * BLOCK_R ... of R = b * s * h (row = (b, s, h) in out's order): (dO in fp32, D, the rows, their
+        mask, the entries' mask); a tile past the end loads nothing (every lane masked)."""
+        rows = (tile * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
         row_ok = rows < R
         hi, si, bi = rows % H, (rows // H) % S, rows // (H * S)
         cols = tl.arange(0, BLOCK_D)
@@ -172,6 +175,12 @@ if triton is not None:
         x = tl.load(DO + (bi * s_db + si * s_ds + hi * s_dh)[:, None] + cols[None, :] * s_dd, mask=ok,
                     other=0.0).to(tl.float32)
         t = tl.load(DELTA + bi * s_tb + hi * s_th + si * s_ts, mask=row_ok, other=0.0).to(tl.float32)
+        return x, t, rows, ok
+
+    @triton.jit
+    def _rows_out(x, t, ok, cols, OUT_TY: tl.constexpr, NTOP: tl.constexpr, BIG: tl.constexpr, BF16: tl.constexpr,
+                  KEYS: tl.constexpr, SHIFT: tl.constexpr):
+        """The surrogate O of rows x [BLOCK_R, BLOCK_D] (fp32) with D = t, as fp32 values of OUT_TY."""
         mag = tl.abs(x)
         l1 = tl.sum(mag, 1)
         c = tl.math.div_rn(t, tl.where(l1 > 0, l1, 1.0))                     # IEEE division, as torch's
@@ -197,7 +206,27 @@ if triton is not None:
             out, rest = _carry(out, rest, j2, x2, cols, BIG, OUT_TY, BF16)
         if NTOP >= 3:
             out, rest = _carry(out, rest, j3, x3, cols, BIG, OUT_TY, BF16)
-        tl.store(OUT + rows[:, None] * D + cols[None, :], out.to(OUT_TY), mask=ok)
+        return out
+
+    @triton.jit
+    def _surrogate_kernel(DO, DELTA, OUT, R, S, H, n_tiles,
+                          s_db, s_ds, s_dh, s_dd, s_tb, s_th, s_ts,
+                          D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, NTOP: tl.constexpr,
+                          BIG: tl.constexpr, BF16: tl.constexpr, KEYS: tl.constexpr, SHIFT: tl.constexpr):
+        # Program p takes tiles p, p + programs, ... of BLOCK_R rows (one, where the grid is a program a tile) and
+        # loads the next tile's dO before it works on this one's, so that its load is in flight during the three
+        # max passes (a program that loads only after its store waits out the load's latency each tile).
+        OUT_TY = OUT.dtype.element_ty
+        pid, step = tl.program_id(0), tl.num_programs(0)
+        cols = tl.arange(0, BLOCK_D)
+        x_n, t_n, rows_n, ok_n = _load_rows(DO, DELTA, pid, R, S, H, s_db, s_ds, s_dh, s_dd, s_tb, s_th, s_ts,
+                                            D, BLOCK_D, BLOCK_R)
+        for tile in range(pid, n_tiles, step):
+            x, t, rows, ok = x_n, t_n, rows_n, ok_n
+            x_n, t_n, rows_n, ok_n = _load_rows(DO, DELTA, tile + step, R, S, H, s_db, s_ds, s_dh, s_dd,
+                                                s_tb, s_th, s_ts, D, BLOCK_D, BLOCK_R)
+            out = _rows_out(x, t, ok, cols, OUT_TY, NTOP, BIG, BF16, KEYS, SHIFT)
+            tl.store(OUT + rows[:, None] * D + cols[None, :], out.to(OUT_TY), mask=ok)
 
 
 def use_kernel(do: torch.Tensor) -> bool:
@@ -207,13 +236,21 @@ def use_kernel(do: torch.Tensor) -> bool:
             and do.dim() == 4 and 0 < do.shape[-1] <= MAX_D)
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def surrogate_out_triton(do: torch.Tensor, delta: torch.Tensor, *, rows_per_program: int | None = None,
-                         select: str | None = None, num_warps: int | None = None):
+                         select: str | None = None, num_warps: int | None = None,
+                         programs_per_sm: int | None = None):
     """The kernel (use_kernel(do) must hold): same contract as surrogate_out_reference. rows_per_program (a
     power of two) overrides the default: ELEMS_PER_PROGRAM / padded d on GPUs, INTERPRET_ELEMS / padded d
     (at most the rows, padded) under the interpreter. select (default SELECT) finds the top entries: "argmax"
     (an argmax and a sum a pass) or "keys" (one max of packed integer keys a pass); the same entries, the same
-    output bit for bit (finite dO). num_warps (default NUM_WARPS) is the launch's."""
+    output bit for bit (finite dO). num_warps (default NUM_WARPS) is the launch's. programs_per_sm (default
+    PROGRAMS_PER_SM): 0 launches a program a tile of rows; n > 0 at most n programs an SM (one "SM" under the
+    interpreter), each looping over tiles with the next one's load in flight."""
     select = SELECT if select is None else select
     if select not in SELECTS:
         raise ValueError(f"surrogate_out: select must be one of {SELECTS}, got {select!r}")
@@ -231,8 +268,17 @@ def surrogate_out_triton(do: torch.Tensor, delta: torch.Tensor, *, rows_per_prog
     elif rows_per_program is None:
         rows_per_program = min(triton.next_power_of_2(rows), max(1, INTERPRET_ELEMS // block_d))
     block_r = rows_per_program
-    _launch.launch(_surrogate_kernel, (triton.cdiv(rows, block_r),),
-        do, delta, out, rows, s, h, *do.stride(), *delta.stride(),
+    n_tiles = triton.cdiv(rows, block_r)
+    pps = PROGRAMS_PER_SM if programs_per_sm is None else programs_per_sm
+    if pps < 0:
+        raise ValueError(f"surrogate_out: programs_per_sm must be >= 0, got {pps}")
+    programs = n_tiles
+    if pps:
+        sms = _sm_count(do.device.index if do.device.index is not None else torch.cuda.current_device()) \
+            if do.device.type == "cuda" else 1
+        programs = min(n_tiles, pps * sms)
+    _launch.launch(_surrogate_kernel, (programs,),
+        do, delta, out, rows, s, h, n_tiles, *do.stride(), *delta.stride(),
         D=d, BLOCK_D=block_d, BLOCK_R=block_r, NTOP=min(3, d), BIG=torch.finfo(do.dtype).max,
         BF16=do.dtype == torch.bfloat16, KEYS=select == "keys", SHIFT=KEY_SHIFT.get(do.dtype, -1),
         num_warps=NUM_WARPS if num_warps is None else num_warps)
