@@ -58,16 +58,16 @@ SELECT = "keys"
 a sum a pass; "keys" packs |dO|, the column and the sign into one integer (int32 for 16-bit dO, whose fp32 values
 end in 13 or 16 zero bits that are dropped; int64 for fp32) and takes one max a pass. The same entries, the same
 output bit for bit (tests/test_surrogate.py, compiled on the GPU for every launch shape below)."""
-NUM_WARPS = 1
-"""Warps a program. With ELEMS_PER_PROGRAM and SELECT, the fastest of `megatron-cp-bench surrogate --rows 524288
-131072 --select argmax keys --num-warps 1 2 4 8 --rows-per-program 4 16 64` on one H200 (twenty-eighth session,
-docs/results/surrogate_sweep_s28/): 524288 rows (burst's round call at 128k over P = 64), d = 128, bf16: keys with 1
-warp and 4 rows a program 0.237 ms, 0.28 of the copy bandwidth, against 0.370 for the form shipped before (argmax, 4
-warps, 16 rows); 131072 rows 0.120 against 0.150 ms (the fastest there, keys with 2 warps and 4 rows, 0.109). Burst's
-slowest rank at 128k over P = 64 (its replay, ranks 0 and 5) went from 23.7-24.3 to 22.3-23.2 ms with it."""
-PROGRAMS_PER_SM = 0
-"""Programs launched an SM (0: a program a tile of rows, the grid the tiles). With n > 0 the grid is n programs an
-SM, each looping over tiles and loading the next while it computes this one."""
+NUM_WARPS = 2
+PROGRAMS_PER_SM = 32
+"""Warps a program, and programs launched an SM (0: a program a tile of rows, the grid the tiles; n > 0: n programs
+an SM, each looping over tiles with the next tile's load in flight). With ELEMS_PER_PROGRAM and SELECT, the fastest of
+`megatron-cp-bench surrogate --rows 524288 131072 --select keys --num-warps 1 2 4 --rows-per-program 4 8 16
+--programs-per-sm 0 4 8 16 32` on one H200 (twenty-ninth session, docs/results/surrogate_loop_s29/): 524288 rows
+(burst's round call at 128k over P = 64), d = 128, bf16: 2 warps, 4 rows a program, 32 programs an SM 0.236 ms
+against 0.289 for the launch shipped before (1 warp, a program a tile; 0.237 on the twenty-eighth session's machine,
+docs/results/surrogate_sweep_s28/); 131072 rows 0.087 against 0.102 ms, the fastest there too. Few programs an SM
+loop slower (4: 0.33-0.47 ms): the loop hides a load's latency only where enough programs share the SM."""
 KEY_SHIFT = {torch.bfloat16: 16, torch.float16: 13}   # fp32 bits a 16-bit value leaves zero: 23 - its 7 or 10
 INTERPRET_ELEMS = 1 << 18  # under the interpreter (CPU tensors): a program costs ~10 ms of numpy whatever its
                            # size, so 16k rows at d = 64 take 6.3 s in programs of 32 rows, 0.2 s in 4096
