@@ -205,14 +205,27 @@ def test_looping_programs_build_the_same_tensor(dt):
     under the interpreter, so 1-3 programs over 7 tiles here."""
     dtype = DTYPES[dt]
     do, delta = _data(1, 13, 2, 96, dtype, "rowsum", seed=5)            # 26 rows: 7 tiles of 4, the last of 2
-    one = sg.surrogate_out_triton(do, delta, rows_per_program=4, programs_per_sm=0)
+    one = sg.surrogate_out_triton(do, delta, rows_per_program=4, programs_per_sm=0, index_bits=64)
     bits = torch.int32 if dtype == torch.float32 else torch.int16
-    for pps in (1, 2, 3):
-        out = sg.surrogate_out_triton(do, delta, rows_per_program=4, programs_per_sm=pps)
-        assert torch.equal(out.view(bits), one.view(bits)), pps
+    for pps in (0, 1, 2, 3):
+        for index_bits in (32, 64):
+            out = sg.surrogate_out_triton(do, delta, rows_per_program=4, programs_per_sm=pps, index_bits=index_bits)
+            assert torch.equal(out.view(bits), one.view(bits)), (pps, index_bits)
     check(do, delta, one)
     with pytest.raises(ValueError, match="programs_per_sm"):
         sg.surrogate_out_triton(do, delta, programs_per_sm=-1)
+    with pytest.raises(ValueError, match="index_bits"):
+        sg.surrogate_out_triton(do, delta, index_bits=16)
+
+
+def test_int32_offsets_only_where_they_fit():
+    """index_bits=32 is taken only where every offset of every tensor fits in int32 with room for the tiles past the
+    end; a view's offsets count by its strides, not its numel."""
+    small = torch.empty(2, 8, 4, 16)
+    assert sg._offsets_fit_int32(small, small[:, :, :, :4].transpose(1, 2))
+    big = torch.empty_strided((2, 4), (2**31, 1), device="meta")          # 2 rows, 2**31 apart
+    assert not sg._offsets_fit_int32(small, big)
+    assert not sg._offsets_fit_int32(torch.empty(1).expand(2**31))       # offsets 0, numel alone too large
 
 
 @needs_cuda
@@ -254,8 +267,8 @@ def test_gpu_every_launch_shape_meets_the_property(dt):
     for nw, rpp, pps in [(nw, rpp, 0) for nw in (1, 2, 4, 8) for rpp in (1, 4, 16, 64)] + [
             (nw, rpp, pps) for nw, rpp in ((1, 4), (2, 4), (4, 8)) for pps in (1, 32)]:
         outs = [sg.surrogate_out_triton(do, delta, select=sel, num_warps=nw, rows_per_program=rpp,
-                                        programs_per_sm=pps) for sel in sg.SELECTS]
+                                        programs_per_sm=pps, index_bits=ib) for sel in sg.SELECTS for ib in (32, 64)]
         for out in outs:
             check(do, delta, out, ref)
         bits = torch.int32 if dtype == torch.float32 else torch.int16
-        assert torch.equal(outs[0].view(bits), outs[1].view(bits)), (nw, rpp, pps)
+        assert all(torch.equal(outs[0].view(bits), out.view(bits)) for out in outs[1:]), (nw, rpp, pps)

@@ -68,6 +68,10 @@ an SM, each looping over tiles with the next tile's load in flight). With ELEMS_
 against 0.289 for the launch shipped before (1 warp, a program a tile; 0.237 on the twenty-eighth session's machine,
 docs/results/surrogate_sweep_s28/); 131072 rows 0.087 against 0.102 ms, the fastest there too. Few programs an SM
 loop slower (4: 0.33-0.47 ms): the loop hides a load's latency only where enough programs share the SM."""
+INDEX_BITS = 64
+"""Width of the kernel's row and offset arithmetic: 64, or 32 where every offset fits (`_offsets_fit_int32`). A
+program computes each row's (b, s, h) by two divisions and a remainder, which in int64 cost several times their int32
+form on the GPU; the default stays 64 until `megatron-cp-bench surrogate --index-bits 64 32` has timed both."""
 KEY_SHIFT = {torch.bfloat16: 16, torch.float16: 13}   # fp32 bits a 16-bit value leaves zero: 23 - its 7 or 10
 INTERPRET_ELEMS = 1 << 18  # under the interpreter (CPU tensors): a program costs ~10 ms of numpy whatever its
                            # size, so 16k rows at d = 64 take 6.3 s in programs of 32 rows, 0.2 s in 4096
@@ -164,10 +168,14 @@ if triton is not None:
 
     @triton.jit
     def _load_rows(DO, DELTA, tile, R, S, H, s_db, s_ds, s_dh, s_dd, s_tb, s_th, s_ts,
-                   D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
+                   D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, I64: tl.constexpr):
         """Rows tile * BLOCK_R ... of R = b * s * h (row = (b, s, h) in out's order): (dO in fp32, D, the rows, their
-        mask, the entries' mask); a tile past the end loads nothing (every lane masked)."""
-        rows = (tile * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+        mask, the entries' mask); a tile past the end loads nothing (every lane masked). I64: row and offset
+        arithmetic in int64 (else int32: the launcher's choice where every offset fits)."""
+        if I64:
+            rows = tile.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        else:
+            rows = tile * BLOCK_R + tl.arange(0, BLOCK_R)
         row_ok = rows < R
         hi, si, bi = rows % H, (rows // H) % S, rows // (H * S)
         cols = tl.arange(0, BLOCK_D)
@@ -212,7 +220,8 @@ if triton is not None:
     def _surrogate_kernel(DO, DELTA, OUT, R, S, H, n_tiles,
                           s_db, s_ds, s_dh, s_dd, s_tb, s_th, s_ts,
                           D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, NTOP: tl.constexpr,
-                          BIG: tl.constexpr, BF16: tl.constexpr, KEYS: tl.constexpr, SHIFT: tl.constexpr):
+                          BIG: tl.constexpr, BF16: tl.constexpr, KEYS: tl.constexpr, SHIFT: tl.constexpr,
+                          I64: tl.constexpr):
         # Program p takes tiles p, p + programs, ... of BLOCK_R rows (one, where the grid is a program a tile) and
         # loads the next tile's dO before it works on this one's, so that its load is in flight during the three
         # max passes (a program that loads only after its store waits out the load's latency each tile).
@@ -220,11 +229,11 @@ if triton is not None:
         pid, step = tl.program_id(0), tl.num_programs(0)
         cols = tl.arange(0, BLOCK_D)
         x_n, t_n, rows_n, ok_n = _load_rows(DO, DELTA, pid, R, S, H, s_db, s_ds, s_dh, s_dd, s_tb, s_th, s_ts,
-                                            D, BLOCK_D, BLOCK_R)
+                                            D, BLOCK_D, BLOCK_R, I64)
         for tile in range(pid, n_tiles, step):
             x, t, rows, ok = x_n, t_n, rows_n, ok_n
             x_n, t_n, rows_n, ok_n = _load_rows(DO, DELTA, tile + step, R, S, H, s_db, s_ds, s_dh, s_dd,
-                                                s_tb, s_th, s_ts, D, BLOCK_D, BLOCK_R)
+                                                s_tb, s_th, s_ts, D, BLOCK_D, BLOCK_R, I64)
             out = _rows_out(x, t, ok, cols, OUT_TY, NTOP, BIG, BF16, KEYS, SHIFT)
             tl.store(OUT + rows[:, None] * D + cols[None, :], out.to(OUT_TY), mask=ok)
 
@@ -236,6 +245,14 @@ def use_kernel(do: torch.Tensor) -> bool:
             and do.dim() == 4 and 0 < do.shape[-1] <= MAX_D)
 
 
+def _offsets_fit_int32(*tensors) -> bool:
+    """Whether every element offset of each tensor (its largest: sum of (size - 1) * stride) and every row index of
+    the tiles (past the last tile too, by at most a grid: under the tensor's numel) is below 2**31 - 2**20."""
+    limit = 2**31 - 2**20
+    return all(t.numel() < limit and sum((n - 1) * st for n, st in zip(t.shape, t.stride())) < limit
+               for t in tensors)
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -243,14 +260,15 @@ def _sm_count(index: int) -> int:
 
 def surrogate_out_triton(do: torch.Tensor, delta: torch.Tensor, *, rows_per_program: int | None = None,
                          select: str | None = None, num_warps: int | None = None,
-                         programs_per_sm: int | None = None):
+                         programs_per_sm: int | None = None, index_bits: int | None = None):
     """The kernel (use_kernel(do) must hold): same contract as surrogate_out_reference. rows_per_program (a
     power of two) overrides the default: ELEMS_PER_PROGRAM / padded d on GPUs, INTERPRET_ELEMS / padded d
     (at most the rows, padded) under the interpreter. select (default SELECT) finds the top entries: "argmax"
     (an argmax and a sum a pass) or "keys" (one max of packed integer keys a pass); the same entries, the same
     output bit for bit (finite dO). num_warps (default NUM_WARPS) is the launch's. programs_per_sm (default
     PROGRAMS_PER_SM): 0 launches a program a tile of rows; n > 0 at most n programs an SM (one "SM" under the
-    interpreter), each looping over tiles with the next one's load in flight."""
+    interpreter), each looping over tiles with the next one's load in flight. index_bits (default INDEX_BITS): 64, or
+    32 for the row and offset arithmetic where every offset of do, delta and out fits in int32 (else 64 anyway)."""
     select = SELECT if select is None else select
     if select not in SELECTS:
         raise ValueError(f"surrogate_out: select must be one of {SELECTS}, got {select!r}")
@@ -269,6 +287,9 @@ def surrogate_out_triton(do: torch.Tensor, delta: torch.Tensor, *, rows_per_prog
         rows_per_program = min(triton.next_power_of_2(rows), max(1, INTERPRET_ELEMS // block_d))
     block_r = rows_per_program
     n_tiles = triton.cdiv(rows, block_r)
+    bits = INDEX_BITS if index_bits is None else index_bits
+    if bits not in (32, 64):
+        raise ValueError(f"surrogate_out: index_bits must be 32 or 64, got {bits}")
     pps = PROGRAMS_PER_SM if programs_per_sm is None else programs_per_sm
     if pps < 0:
         raise ValueError(f"surrogate_out: programs_per_sm must be >= 0, got {pps}")
@@ -281,6 +302,7 @@ def surrogate_out_triton(do: torch.Tensor, delta: torch.Tensor, *, rows_per_prog
         do, delta, out, rows, s, h, n_tiles, *do.stride(), *delta.stride(),
         D=d, BLOCK_D=block_d, BLOCK_R=block_r, NTOP=min(3, d), BIG=torch.finfo(do.dtype).max,
         BF16=do.dtype == torch.bfloat16, KEYS=select == "keys", SHIFT=KEY_SHIFT.get(do.dtype, -1),
+        I64=bits == 64 or not _offsets_fit_int32(do, delta, out),
         num_warps=NUM_WARPS if num_warps is None else num_warps)
     return out
 
