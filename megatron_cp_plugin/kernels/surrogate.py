@@ -246,8 +246,10 @@ def use_kernel(do: torch.Tensor) -> bool:
 
 
 def _offsets_fit_int32(*tensors) -> bool:
-    """Whether every element offset of each tensor (its largest: sum of (size - 1) * stride) and every row index of
-    the tiles (past the last tile too, by at most a grid: under the tensor's numel) is below 2**31 - 2**20."""
+    """Whether each tensor's numel and largest element offset (sum of (size - 1) * stride) are below 2**31 - 2**20, so
+    that int32 holds every row index the kernel forms (the prefetch's past the last tile too: at most a grid of tiles
+    more, 2**17 rows at 32 programs of 4 rows on 1024 SMs) and every offset it dereferences (a masked lane's may wrap:
+    it is never read)."""
     limit = 2**31 - 2**20
     return all(t.numel() < limit and sum((n - 1) * st for n, st in zip(t.shape, t.stride())) < limit
                for t in tensors)
