@@ -21,6 +21,12 @@ import torch
 TIMEOUT = int(os.environ.get("MCP_FAULT_TIMEOUT", 8))
 GPU = torch.cuda.is_available()
 PROMPT = 6 if GPU else 3    # seconds for Ctrl-C to end the job (the driver frees GPU memory at process exit)
+SAVE_FLUSH_S = 5
+"""More seconds where the signal or the kill lands during a save: dist_checkpointing's writer fsyncs each file
+(filesystem_async.py, use_fsync=True), and a rank inside fsync is in uninterruptible sleep, so SIGKILL takes it only
+when the flush returns. On CI's 2-core machine (2026-11-28) Ctrl-C during saves once took 5.3 s where the same test
+took under 3 s in the run before, with no change to the code under test: 5.3 s is about the launcher's 5 s join of a
+rank it had sent SIGKILL (watchdog.kill_descendants), as a rank held in a flush would take. A launcher that waits for the ranks to finish (30 s before the watchdog) still fails these bounds."""
 TINY = ["--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "8", "--num-query-groups", "2",
         "--seq-length", "128", "--micro-batch-size", "1", "--log-interval", "1", "--train-iters", "5000",
         "--nproc", "2", "--mock-data", "--context-parallel-algo", "ring", "--dist-timeout", str(TIMEOUT),
@@ -129,7 +135,7 @@ def test_killed_rank_ends_the_job_at_once_even_during_a_save(tmp_path):
         out = job.output()
         assert job.p.returncode != 0
         assert re.search(rf"rank \d \(pid {victim}\) was killed by SIGKILL", out), out[-3000:]
-        assert took < PROMPT + 2, took
+        assert took < PROMPT + SAVE_FLUSH_S, took
     finally:
         job.cleanup()
 
@@ -144,11 +150,11 @@ def test_ctrl_c_during_saves_ends_the_job_and_keeps_the_last_complete_checkpoint
     try:
         job.wait_for(r"iter +3 ")
         os.killpg(job.p.pid, signal.SIGINT)                    # what Ctrl-C does: the whole process group
-        took = job.ended_within(10)
+        took = job.ended_within(PROMPT + SAVE_FLUSH_S + 5)
         out = job.output()
         assert job.p.returncode == 128 + signal.SIGINT, out[-3000:]
         assert "interrupted by SIGINT; stopped every rank" in out and "Traceback" not in out, out[-3000:]
-        assert took < PROMPT, took
+        assert took < PROMPT + SAVE_FLUSH_S, took
     finally:
         job.cleanup()
     # The tracker is written only after every rank finished writing (checkpoint.save_checkpoint): it names a
