@@ -19,6 +19,16 @@ def launch(kernel, grid, *args, **kwargs):
 
 
 @functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """The streaming multiprocessors of a CUDA device (persistent grids size themselves by it)."""
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
 def _hopper_or_newer(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 

@@ -35,6 +35,7 @@ except ImportError:   # no triton: available() is False; tests skip loudly, call
     triton = tl = None
 
 # One owner of the Triton-availability check and of the tile online softmax (the flash-decoding kernel's).
+from . import _launch  # noqa: E402
 from .flash_decode import available  # noqa: E402,F401  (re-exported: deft.available)
 
 if triton is not None:
@@ -176,7 +177,7 @@ def plan_deft(parents, node_slots, query_node, query_seen=None, *, num_heads: in
     if seen.numel() != n_q or (n_q and ((seen < 0) | (seen > lens[qn])).any()):
         raise ValueError("query_seen must give, for each query, 0 <= seen <= the length of its node")
     g = num_heads // num_kv_heads
-    sms = num_sms or (torch.cuda.get_device_properties(device).multi_processor_count
+    sms = num_sms or (_launch.sm_count(torch.device(device))
                       if device is not None and torch.device(device).type == "cuda" else 132)
 
     # Each query's visible tokens as flat intervals: every proper ancestor whole, its own node's first `seen`.

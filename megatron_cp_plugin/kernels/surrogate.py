@@ -31,8 +31,6 @@ reference's own error on the same rows, and c * sign(dO) off the top entries to 
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
 try:
@@ -255,11 +253,6 @@ def _offsets_fit_int32(*tensors) -> bool:
                for t in tensors)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def surrogate_out_triton(do: torch.Tensor, delta: torch.Tensor, *, rows_per_program: int | None = None,
                          select: str | None = None, num_warps: int | None = None,
                          programs_per_sm: int | None = None, index_bits: int | None = None):
@@ -297,9 +290,7 @@ def surrogate_out_triton(do: torch.Tensor, delta: torch.Tensor, *, rows_per_prog
         raise ValueError(f"surrogate_out: programs_per_sm must be >= 0, got {pps}")
     programs = n_tiles
     if pps:
-        sms = _sm_count(do.device.index if do.device.index is not None else torch.cuda.current_device()) \
-            if do.device.type == "cuda" else 1
-        programs = min(n_tiles, pps * sms)
+        programs = min(n_tiles, pps * (_launch.sm_count(do.device) if do.device.type == "cuda" else 1))
     _launch.launch(_surrogate_kernel, (programs,),
         do, delta, out, rows, s, h, n_tiles, *do.stride(), *delta.stride(),
         D=d, BLOCK_D=block_d, BLOCK_R=block_r, NTOP=min(3, d), BIG=torch.finfo(do.dtype).max,
