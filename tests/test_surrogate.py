@@ -218,6 +218,47 @@ def test_looping_programs_build_the_same_tensor(dt):
         sg.surrogate_out_triton(do, delta, index_bits=16)
 
 
+@pytest.mark.parametrize("dt", DTYPES)
+def test_row_slices_build_the_same_tensor(dt):
+    """A row read as slices of any width (slice_cols: the slices in a thread's registers, a few threads a slice) gets
+    the same top entries as whole rows: bit for bit in 16-bit dtypes (l1 = sum|dO| is summed in another order, which
+    the 16-bit c hides on these rows), and the property and the construction in fp32, where c shows l1's last bit.
+    d = 96 pads to 128: the padding columns of the last slice are never a top entry; rows with one nonzero entry, ties,
+    -0.0 and all zeros cross the slices' boundaries."""
+    dtype = DTYPES[dt]
+    do, delta = _data(1, 11, 3, 96, dtype, "rowsum", seed=31)            # 33 rows
+    do[0, 2, 1] = 0
+    do[0, 2, 1, 70] = -1.5                                               # one nonzero entry, in the second slice
+    do[0, 3, 0] = 0.5                                                    # all tied: the leftmost three carry
+    do[0, 4, 2] = -0.0
+    do[0, 5] = 0
+    delta[0, :, 5] = 0
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    whole = sg.surrogate_out_triton(do, delta, rows_per_program=4, slice_cols=128)
+    check(do, delta, whole)
+    for w in (64, 32, 16, 8):
+        for sel in sg.SELECTS:
+            out = sg.surrogate_out_triton(do, delta, rows_per_program=4, slice_cols=w, select=sel)
+            check(do, delta, out)
+            if dtype != torch.float32:
+                assert torch.equal(out.view(bits), whole.view(bits)), (w, sel)
+    with pytest.raises(ValueError, match="slice_cols"):
+        sg.surrogate_out_triton(do, delta, slice_cols=48)
+
+
+def test_default_rows_give_every_thread_a_row():
+    """The default rows a program cover one layout tile (threads / threads a slice) at every shape the kernel takes:
+    fewer rows make threads hold copies of others' rows (2 warps with 4 rows of 64-column slices ran 5x slower)."""
+    for d in (16, 64, 128, 256):
+        for w in (8, 16, 32, 64, 128):
+            for nw in (1, 2, 4, 8):
+                for size in (2, 4):
+                    rows = sg._default_rows(d, min(w, d), nw, size)
+                    threads_a_slice = max(1, min(w, d) // (16 // size))
+                    assert rows * threads_a_slice >= nw * 32 and rows * d >= sg.ELEMS_PER_PROGRAM, (d, w, nw, size)
+    assert sg._default_rows(128, 64, 4, 2) == 16                         # the default launch at d = 128, bf16
+
+
 def test_int32_offsets_only_where_they_fit():
     """index_bits=32 is taken only where every offset of every tensor fits in int32 with room for the tiles past the
     end; a view's offsets count by its strides, not its numel."""
@@ -253,8 +294,9 @@ def test_gpu_kernel_matches_reference(dt, d):
 @needs_cuda
 @pytest.mark.parametrize("dt", DTYPES)
 def test_gpu_every_launch_shape_meets_the_property(dt):
-    """Every launch the benchmark sweeps (`megatron-cp-bench surrogate --num-warps 1 2 4 --rows-per-program 4 8 16
-    --programs-per-sm 0 32 --index-bits 64 32`, and the extremes 8 warps with 1 or 64 rows) builds, compiled, a
+    """The launches the benchmark sweeps (`megatron-cp-bench surrogate --slice-cols 128 64 32 16 --num-warps 1 4
+    --rows-per-program 4 16 --programs-per-sm 32 --index-bits 64 32`, a grid of a program a tile, and the extremes 8
+    warps with 1 or 64 rows) build, compiled, a
     tensor that meets the property; int32 and int64 offsets give the same tensor bit for bit, and so do both
     selections at the default launch. Whichever launch a sweep makes the default has run here. (Launches with another
     row layout may sum l1 in another order, so they are not compared bit for bit. The full product with both
@@ -268,12 +310,12 @@ def test_gpu_every_launch_shape_meets_the_property(dt):
     do[0, 7] = 0
     ref = sg.surrogate_out_reference(do, delta)
     bits = torch.int32 if dtype == torch.float32 else torch.int16
-    shapes = [(nw, rpp, pps) for nw in (1, 2, 4) for rpp in (4, 8, 16) for pps in (0, 32)]
-    for nw, rpp, pps in shapes + [(8, 1, 0), (8, 64, 32)]:
+    shapes = [(w, nw, rpp, 32) for w in (128, 64, 32, 16) for nw in (1, 4) for rpp in (4, 16)]
+    for w, nw, rpp, pps in shapes + [(64, 2, 8, 0), (128, 8, 1, 0), (32, 8, 64, 32)]:
         outs = [sg.surrogate_out_triton(do, delta, select="keys", num_warps=nw, rows_per_program=rpp,
-                                        programs_per_sm=pps, index_bits=ib) for ib in (64, 32)]
+                                        programs_per_sm=pps, index_bits=ib, slice_cols=w) for ib in (64, 32)]
         check(do, delta, outs[0], ref)
-        assert torch.equal(outs[0].view(bits), outs[1].view(bits)), (nw, rpp, pps)
+        assert torch.equal(outs[0].view(bits), outs[1].view(bits)), (w, nw, rpp, pps)
     base, other = (sg.surrogate_out_triton(do, delta, select=sel) for sel in sg.SELECTS)
     check(do, delta, base, ref)
     assert torch.equal(base.view(bits), other.view(bits))

@@ -47,11 +47,11 @@ for dt in ("bf16", "fp16", "fp32"):
         case(f"flash_decode merge {dt} d={d}", flash_decode._merge_kernel,
              {"O": "*fp32", "L": "*fp32", "OUT": f"*{dt}", "LSE": "*fp32"}, {"PARTS": 4, "D": d})
 for dt, tdt in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32)):
-    for keys, i64 in ((False, True), (True, True), (True, False)):
-        case(f"surrogate {dt} keys={keys} i64={i64}", surrogate._surrogate_kernel,
+    for keys, i64, w in ((False, True, 32), (True, True, 128), (True, False, 32), (True, False, 16)):
+        case(f"surrogate {dt} keys={keys} i64={i64} W={w}", surrogate._surrogate_kernel,
              {"DO": f"*{dt}", "DELTA": "*fp32", "OUT": f"*{dt}"},
-             {"D": 128, "BLOCK_D": 128, "BLOCK_R": 16, "NTOP": 3, "BIG": torch.finfo(tdt).max, "BF16": dt == "bf16",
-              "KEYS": keys, "SHIFT": surrogate.KEY_SHIFT.get(tdt, -1), "I64": i64})
+             {"D": 128, "BLOCK_D": 128, "BLOCK_R": 16, "W": w, "NTOP": 3, "BIG": torch.finfo(tdt).max,
+              "BF16": dt == "bf16", "KEYS": keys, "SHIFT": surrogate.KEY_SHIFT.get(tdt, -1), "I64": i64})
     for copy in (False, True):
         case(f"accumulate {dt} copy={copy}", merge._accumulate_kernel, {"A": "*fp32", "X": f"*{dt}"},
              {"BLOCK_R": 32, "BLOCK_D": 128, "COPY": copy})

@@ -3,6 +3,7 @@ on one GPU.
 
     megatron-cp-bench surrogate [--rows 262144 65536 2097152] [--head-dim 128] [--rows-per-program 8 16 32]
         [--select argmax keys] [--num-warps 2 4 8] [--programs-per-sm 0 4 16] [--index-bits 64 32]
+        [--slice-cols 128 32]
 
 One call per row count, as BurstAttention / Attention2D make per travelling query block: dO [1, rows / h, h, d]
 bf16 and D [1, h, rows / h] fp32 from a real O (the default 262144 rows = 8192 tokens x 32 heads is one block of
@@ -12,8 +13,8 @@ against the device copy bandwidth measured in the same run:
     bytes = rows * d * (2 B read + 2 B written) + rows * 4 B (D);  copy bandwidth = 2 * bytes / time of a 1 GiB copy.
 Both outputs' worst relative error of rowsum(dO * out) against D is printed with them. The kernel rows are every
 combination of --select (ways of finding a row's top entries: kernels/surrogate.py SELECT, the A/B of its default),
---num-warps, --rows-per-program, --programs-per-sm (0: a program a tile) and --index-bits (each default: the
-module's). Without a GPU: one line, exit 0.
+--slice-cols, --num-warps, --rows-per-program, --programs-per-sm (0: a program a tile) and --index-bits (each default:
+the module's). Without a GPU: one line, exit 0.
 """
 from __future__ import annotations
 
@@ -48,6 +49,8 @@ def main(argv=None):
                    help="programs an SM to try (0: a program a tile of rows; default: the module's PROGRAMS_PER_SM)")
     p.add_argument("--index-bits", type=int, nargs="*", default=[], choices=(32, 64),
                    help="the kernel's row and offset arithmetic to try (default: the module's INDEX_BITS)")
+    p.add_argument("--slice-cols", type=int, nargs="*", default=[],
+                   help="columns of a row's slice (kernels/surrogate.py SLICE_COLS); default: the module's")
     p.add_argument("--select", nargs="+", choices=("argmax", "keys"), default=["argmax", "keys"],
                    help="how the kernel finds a row's top entries (kernels/surrogate.py SELECT): a row each")
     p.add_argument("--iters", type=int, default=50)
@@ -76,13 +79,15 @@ def main(argv=None):
         assert use_kernel(do), "the kernel cannot run on this device / dtype / head_dim"
         moved = do.numel() * (2 * do.element_size()) + delta.numel() * 4
         kernels = {"reference (PyTorch)": lambda do=do, delta=delta: surrogate_out_reference(do, delta)}
-        for sel, nw, rpp, pps, ib in itertools.product(a.select, a.num_warps or [None], a.rows_per_program or [None],
-                                                       a.programs_per_sm or [None], a.index_bits or [None]):
-            name = (f"kernel (Triton), {sel}" + (f", {nw} warps" if nw else "")
+        for sel, w, nw, rpp, pps, ib in itertools.product(
+                a.select, a.slice_cols or [None], a.num_warps or [None], a.rows_per_program or [None],
+                a.programs_per_sm or [None], a.index_bits or [None]):
+            name = (f"kernel (Triton), {sel}" + (f", {w}-column slices" if w else "") + (f", {nw} warps" if nw else "")
                     + (f", {rpp} rows/program" if rpp else "") + (f", {pps} programs/SM" if pps is not None else "")
                     + (f", int{ib}" if ib else ""))
-            kernels[name] = (lambda sel=sel, nw=nw, rpp=rpp, pps=pps, ib=ib, do=do, delta=delta: surrogate_out_triton(
-                do, delta, select=sel, num_warps=nw, rows_per_program=rpp, programs_per_sm=pps, index_bits=ib))
+            kernels[name] = (lambda sel=sel, w=w, nw=nw, rpp=rpp, pps=pps, ib=ib, do=do, delta=delta:
+                             surrogate_out_triton(do, delta, select=sel, num_warps=nw, rows_per_program=rpp,
+                                                  programs_per_sm=pps, index_bits=ib, slice_cols=w))
         ref_ms = None
         for name, fn in kernels.items():
             err = _rel_err(do, fn(), delta)

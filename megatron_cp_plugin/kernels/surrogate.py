@@ -15,10 +15,10 @@ for such a block, some 30 us at the H200's bandwidth.
 The kernel runs on CUDA devices (CPU tensors under TRITON_INTERPRET=1 only with INTERPRET_CPU set) for fp16,
 bf16 and fp32 with d <= MAX_D; fp64 and everything else take the reference. dO may be any strided view
 (`do_j[:, qs]`), D any strided [b, h, s] view (`delta_j[:, :, qs]`, a transposed tensor): strides go to the
-kernel, nothing is copied. A program takes ELEMS_PER_PROGRAM / d rows (d padded to a power of two, masked);
-the three largest |dO| of a row are found by three masked argmax passes over it (or, with
-select="keys", three max passes over packed integer keys, int32 for 16-bit dO and int64 for fp32: the same
-entries, the same output for finite dO).
+kernel, nothing is copied. A program takes tiles of `_default_rows` rows (d padded to a power of two, masked),
+each row read as slices of SLICE_COLS columns held by a few threads; the three largest |dO| of a row are found by
+three masked argmax passes over it (or, with select="keys", three max passes over packed integer keys, int32 for
+16-bit dO and int64 for fp32: the same entries, the same output for finite dO).
 
 The kernel does the reference's arithmetic in the reference's order, in fp32 (IEEE divisions, rounding to
 nearest even; bf16 rounding on the bits, as Triton's interpreter truncates fp32 -> bf16 casts), except that
@@ -49,27 +49,35 @@ INTERPRET_CPU = False
 sets it; elsewhere on CPUs the reference runs (interpreted, a call costs ~15 ms against 0.2 ms)."""
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_D = 256              # the row lives in registers: d up to 256 (the padded row of 256 fp32 per program row)
-ELEMS_PER_PROGRAM = 512   # rows per program = this / next_power_of_2(d): 4 rows at d = 128 (measured, below)
+ELEMS_PER_PROGRAM = 2048  # rows per program: at least this / next_power_of_2(d) (16 at d = 128; `_default_rows`)
 SELECTS = ("argmax", "keys")
 SELECT = "keys"
 """How the kernel finds a row's three largest |dO| (`surrogate_out_triton`'s select): "argmax" takes an argmax and
 a sum a pass; "keys" packs |dO|, the column and the sign into one integer (int32 for 16-bit dO, whose fp32 values
 end in 13 or 16 zero bits that are dropped; int64 for fp32) and takes one max a pass. The same entries, the same
 output bit for bit (tests/test_surrogate.py, compiled on the GPU for every launch shape below)."""
-NUM_WARPS = 2
+NUM_WARPS = 4
 PROGRAMS_PER_SM = 32
 """Warps a program, and programs launched an SM (0: a program a tile of rows, the grid the tiles; n > 0: n programs
-an SM, each looping over tiles with the next tile's load in flight). With ELEMS_PER_PROGRAM and SELECT, the fastest of
-`megatron-cp-bench surrogate --rows 524288 131072 --select keys --num-warps 1 2 4 --rows-per-program 4 8 16
---programs-per-sm 0 4 8 16 32` on one H200 (twenty-ninth session, docs/results/surrogate_loop_s29/): 524288 rows
-(burst's round call at 128k over P = 64), d = 128, bf16: 2 warps, 4 rows a program, 32 programs an SM 0.236 ms
-against 0.289 for the launch shipped before (1 warp, a program a tile; 0.237 on the twenty-eighth session's machine,
-docs/results/surrogate_sweep_s28/); 131072 rows 0.087 against 0.102 ms, the fastest there too. Few programs an SM
-loop slower (4: 0.33-0.47 ms): the loop hides a load's latency only where enough programs share the SM."""
-INDEX_BITS = 64
-"""Width of the kernel's row and offset arithmetic: 64, or 32 where every offset fits (`_offsets_fit_int32`). A
-program computes each row's (b, s, h) by two divisions and a remainder, which in int64 cost several times their int32
-form on the GPU; the default stays 64 until `megatron-cp-bench surrogate --index-bits 64 32` has timed both."""
+an SM, each looping over tiles with the next tile's load in flight). Few programs an SM loop slower (4: 0.33-0.47 ms
+at 524288 rows, twenty-ninth session): the loop hides a load's latency only where enough programs share the SM."""
+SLICE_COLS = 64
+"""Columns of a row's slice (`_surrogate_kernel`): at d = 128 a row is two slices of 64, each over 8 threads with 8
+16-bit entries a thread, so 8 threads share a row's scalar work where 16 did with whole rows (SLICE_COLS = 128, the
+layout before: about 61 instructions an entry, issue-bound at 65 % of issue slots with the ALU pipe 81 % busy and
+DRAM at 27 % in `ncu` on one H200, thirtieth session; 49 an entry in two slices). With NUM_WARPS, ELEMS_PER_PROGRAM,
+PROGRAMS_PER_SM and INDEX_BITS the fastest of `megatron-cp-bench surrogate --slice-cols 128 64 32 16 --num-warps 1 2
+4 --rows-per-program 4 8 16 32 --programs-per-sm 8 32` on one H200 (thirtieth session,
+docs/results/surrogate_slices_s30/), then interleaved five times in one process, 524288 rows (burst's round call at
+128k over P = 64), d = 128, bf16: 0.199 ms (median; 1.26 TB/s) against 0.242 for the launch before (2 warps, 4 whole
+rows a program, int64); 131072 rows 0.087 against 0.094; 65536 0.069 against 0.068. In burst's replayed rank 0 at
+128k over P = 64 the surrogate's kernels took 1.23-1.31 ms a fwd+bwd against 1.56-1.62. 32-column slices (4 threads a
+row, 32 entries a thread) take fewer instructions an entry (40) but 166-191 registers a thread, and ran 0.202-0.206
+ms."""
+INDEX_BITS = 32
+"""Width of the kernel's row and offset arithmetic: 32 where every offset fits (`_offsets_fit_int32`; else 64), or 64.
+A program computes each row's (b, s, h) by two divisions and a remainder, which in int64 cost several times their
+int32 form: 0.235 against 0.242 ms at 524288 rows with the launch before (one H200, thirtieth session)."""
 KEY_SHIFT = {torch.bfloat16: 16, torch.float16: 13}   # fp32 bits a 16-bit value leaves zero: 23 - its 7 or 10
 INTERPRET_ELEMS = 1 << 18  # under the interpreter (CPU tensors): a program costs ~10 ms of numpy whatever its
                            # size, so 16k rows at d = 64 take 6.3 s in programs of 32 rows, 0.2 s in 4096
@@ -119,11 +127,22 @@ if triton is not None:
             return v.to(OUT_TY).to(tl.float32)
 
     @triton.jit
+    def _row_max(v):
+        """The largest entry of each row of v [BLOCK_R, slices, W] (a row: its slices, in registers, and W columns)."""
+        return tl.max(tl.max(v, 1), 1)
+
+    @triton.jit
+    def _row_sum(v):
+        return tl.sum(tl.sum(v, 1), 1)
+
+    @triton.jit
     def _take_max(x, mag, cols):
-        """The largest remaining |x| of each row: (its column, its signed value, mag with it taken out)."""
-        j = tl.argmax(mag, 1, tie_break_left=True)
-        hit = cols[None, :] == j[:, None]
-        return j, tl.sum(tl.where(hit, x, 0.0), 1), tl.where(hit, -1.0, mag)   # (one nonzero term per row)
+        """The largest remaining |x| of each row: (its column, its signed value, mag with it taken out); a tie goes
+        to the leftmost column."""
+        m = _row_max(mag)
+        j = tl.min(tl.min(tl.where(mag == m[:, None, None], cols, 1 << 30), 1), 1)
+        hit = cols == j[:, None, None]
+        return j, _row_sum(tl.where(hit, x, 0.0)), tl.where(hit, -1.0, mag)   # (one nonzero term per row)
 
     @triton.jit
     def _keys(x, ok, cols, SHIFT: tl.constexpr):
@@ -133,21 +152,22 @@ if triton is not None:
         27 bits; SHIFT < 0 (fp32): int64 keys of 40."""
         if SHIFT >= 0:
             bits = tl.abs(x).to(tl.int32, bitcast=True) >> SHIFT
-            key = (bits << 9) | ((255 - cols)[None, :] << 1) | (x < 0).to(tl.int32)
+            key = (bits << 9) | ((255 - cols) << 1) | (x < 0).to(tl.int32)
         else:
             bits = tl.abs(x).to(tl.int32, bitcast=True).to(tl.int64)
-            key = (bits << 9) | ((255 - cols).to(tl.int64)[None, :] << 1) | (x < 0).to(tl.int64)
+            key = (bits << 9) | ((255 - cols).to(tl.int64) << 1) | (x < 0).to(tl.int64)
         return tl.where(ok, key, -1)
 
     @triton.jit
     def _take_max_key(key, SHIFT: tl.constexpr):
         """_take_max on `_keys`: one max reduction of one value a row gives the column and the signed value."""
-        k = tl.max(key, 1)
+        k = _row_max(key)
         bits = (k >> 9).to(tl.int32)
         if SHIFT > 0:
             bits = bits << SHIFT
         m = bits.to(tl.float32, bitcast=True)
-        return 255 - ((k >> 1) & 255).to(tl.int32), tl.where((k & 1) == 1, -m, m), tl.where(key == k[:, None], -1, key)
+        return (255 - ((k >> 1) & 255).to(tl.int32), tl.where((k & 1) == 1, -m, m),
+                tl.where(key == k[:, None, None], -1, key))
 
     @triton.jit
     def _next_top(x, sel, cols, KEYS: tl.constexpr, SHIFT: tl.constexpr):
@@ -162,23 +182,30 @@ if triton is not None:
         -> (out with it written, the residual left)."""
         val = tl.math.div_rn(rest, tl.where(xj == 0, 1.0, xj))
         val = tl.where(xj == 0, 0.0, _round(tl.minimum(tl.maximum(val, -BIG), BIG), OUT_TY, BF16))
-        return tl.where(cols[None, :] == j[:, None], val[:, None], out), rest - xj * val
+        return tl.where(cols == j[:, None, None], val[:, None, None], out), rest - xj * val
+
+    @triton.jit
+    def _columns(BLOCK_D: tl.constexpr, W: tl.constexpr):
+        """The column of each entry of a [1, BLOCK_D / W, W] row: slice i holds columns i * W ... i * W + W - 1."""
+        return tl.arange(0, BLOCK_D // W)[None, :, None] * W + tl.arange(0, W)[None, None, :]
 
     @triton.jit
     def _load_rows(DO, DELTA, tile, R, S, H, s_db, s_ds, s_dh, s_dd, s_tb, s_th, s_ts,
-                   D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, I64: tl.constexpr):
-        """Rows tile * BLOCK_R ... of R = b * s * h (row = (b, s, h) in out's order): (dO in fp32, D, the rows, their
-        mask, the entries' mask); a tile past the end loads nothing (every lane masked). I64: row and offset
-        arithmetic in int64 (else int32: the launcher's choice where every offset fits)."""
+                   D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, W: tl.constexpr,
+                   I64: tl.constexpr):
+        """Rows tile * BLOCK_R ... of R = b * s * h (row = (b, s, h) in out's order): (dO in fp32 as [BLOCK_R, BLOCK_D /
+        W, W] (`_columns`), D, the rows, the entries' mask); a tile past the end loads nothing (every lane
+        masked). I64: row and offset arithmetic in int64 (else int32: the launcher's choice where every offset
+        fits)."""
         if I64:
             rows = tile.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
         else:
             rows = tile * BLOCK_R + tl.arange(0, BLOCK_R)
         row_ok = rows < R
         hi, si, bi = rows % H, (rows // H) % S, rows // (H * S)
-        cols = tl.arange(0, BLOCK_D)
-        ok = row_ok[:, None] & (cols[None, :] < D)
-        x = tl.load(DO + (bi * s_db + si * s_ds + hi * s_dh)[:, None] + cols[None, :] * s_dd, mask=ok,
+        cols = _columns(BLOCK_D, W)
+        ok = row_ok[:, None, None] & (cols < D)
+        x = tl.load(DO + (bi * s_db + si * s_ds + hi * s_dh)[:, None, None] + cols * s_dd, mask=ok,
                     other=0.0).to(tl.float32)
         t = tl.load(DELTA + bi * s_tb + hi * s_th + si * s_ts, mask=row_ok, other=0.0).to(tl.float32)
         return x, t, rows, ok
@@ -186,12 +213,12 @@ if triton is not None:
     @triton.jit
     def _rows_out(x, t, ok, cols, OUT_TY: tl.constexpr, NTOP: tl.constexpr, BIG: tl.constexpr, BF16: tl.constexpr,
                   KEYS: tl.constexpr, SHIFT: tl.constexpr):
-        """The surrogate O of rows x [BLOCK_R, BLOCK_D] (fp32) with D = t, as fp32 values of OUT_TY."""
+        """The surrogate O of rows x [BLOCK_R, BLOCK_D / W, W] (fp32) with D = t, as fp32 values of OUT_TY."""
         mag = tl.abs(x)
-        l1 = tl.sum(mag, 1)
+        l1 = _row_sum(mag)
         c = tl.math.div_rn(t, tl.where(l1 > 0, l1, 1.0))                     # IEEE division, as torch's
         c = _round(tl.minimum(tl.maximum(c, -BIG), BIG), OUT_TY, BF16)
-        out = tl.where(x > 0, c[:, None], tl.where(x < 0, -c[:, None], 0.0))
+        out = tl.where(x > 0, c[:, None, None], tl.where(x < 0, -c[:, None, None], 0.0))
         # The NTOP = min(3, d) largest |x| carry rest = D - c * (l1 - their |x|), each in turn.
         # (KEYS: the same entries found by one single-value max a pass instead of an argmax and a sum)
         if KEYS:
@@ -217,23 +244,37 @@ if triton is not None:
     @triton.jit
     def _surrogate_kernel(DO, DELTA, OUT, R, S, H, n_tiles,
                           s_db, s_ds, s_dh, s_dd, s_tb, s_th, s_ts,
-                          D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, NTOP: tl.constexpr,
-                          BIG: tl.constexpr, BF16: tl.constexpr, KEYS: tl.constexpr, SHIFT: tl.constexpr,
-                          I64: tl.constexpr):
+                          D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, W: tl.constexpr,
+                          NTOP: tl.constexpr, BIG: tl.constexpr, BF16: tl.constexpr, KEYS: tl.constexpr,
+                          SHIFT: tl.constexpr, I64: tl.constexpr):
         # Program p takes tiles p, p + programs, ... of BLOCK_R rows (one, where the grid is a program a tile) and
         # loads the next tile's dO before it works on this one's, so that its load is in flight during the three
         # max passes (a program that loads only after its store waits out the load's latency each tile).
+        # A row is BLOCK_D / W slices of W columns (`_columns`): a slice is spread over W / 8 threads (8 16-bit
+        # entries a thread, one 16-byte load) and the slices stay in that thread's registers, so a row's scalar
+        # work (the four IEEE divisions, the roundings, the index arithmetic, each reduction's shuffles) is done by
+        # W / 8 threads instead of BLOCK_D / 8: each thread that holds a row repeats it. The tensors are [rows,
+        # slices, W], rows before slices: the compiler lays threads along the most contiguous axis (W) and then, the
+        # other two tied, along the lower-numbered one; [slices, rows, W] put the threads on the slices.
         OUT_TY = OUT.dtype.element_ty
         pid, step = tl.program_id(0), tl.num_programs(0)
-        cols = tl.arange(0, BLOCK_D)
+        cols = _columns(BLOCK_D, W)
         x_n, t_n, rows_n, ok_n = _load_rows(DO, DELTA, pid, R, S, H, s_db, s_ds, s_dh, s_dd, s_tb, s_th, s_ts,
-                                            D, BLOCK_D, BLOCK_R, I64)
+                                            D, BLOCK_D, BLOCK_R, W, I64)
         for tile in range(pid, n_tiles, step):
             x, t, rows, ok = x_n, t_n, rows_n, ok_n
             x_n, t_n, rows_n, ok_n = _load_rows(DO, DELTA, tile + step, R, S, H, s_db, s_ds, s_dh, s_dd,
-                                                s_tb, s_th, s_ts, D, BLOCK_D, BLOCK_R, I64)
+                                                s_tb, s_th, s_ts, D, BLOCK_D, BLOCK_R, W, I64)
             out = _rows_out(x, t, ok, cols, OUT_TY, NTOP, BIG, BF16, KEYS, SHIFT)
-            tl.store(OUT + rows[:, None] * D + cols[None, :], out.to(OUT_TY), mask=ok)
+            tl.store(OUT + rows[:, None, None] * D + cols, out.to(OUT_TY), mask=ok)
+
+
+def _default_rows(block_d: int, w: int, num_warps: int, element_size: int) -> int:
+    """Rows a program on a GPU: ELEMS_PER_PROGRAM / block_d, and at least one row for each group of threads that
+    holds a slice (w / (16 / element_size) threads: one 16-byte load each), so that no thread of the launch holds a
+    copy of another's rows (2 warps with 4 rows of 64-column slices ran 1.3 ms where 8 rows ran 0.24)."""
+    per_load = max(1, 16 // element_size)
+    return max(1, ELEMS_PER_PROGRAM // block_d, num_warps * 32 * per_load // max(w, per_load))
 
 
 def use_kernel(do: torch.Tensor) -> bool:
@@ -255,15 +296,19 @@ def _offsets_fit_int32(*tensors) -> bool:
 
 def surrogate_out_triton(do: torch.Tensor, delta: torch.Tensor, *, rows_per_program: int | None = None,
                          select: str | None = None, num_warps: int | None = None,
-                         programs_per_sm: int | None = None, index_bits: int | None = None):
+                         programs_per_sm: int | None = None, index_bits: int | None = None,
+                         slice_cols: int | None = None):
     """The kernel (use_kernel(do) must hold): same contract as surrogate_out_reference. rows_per_program (a
-    power of two) overrides the default: ELEMS_PER_PROGRAM / padded d on GPUs, INTERPRET_ELEMS / padded d
+    power of two) overrides the default: `_default_rows` on GPUs, INTERPRET_ELEMS / padded d
     (at most the rows, padded) under the interpreter. select (default SELECT) finds the top entries: "argmax"
     (an argmax and a sum a pass) or "keys" (one max of packed integer keys a pass); the same entries, the same
     output bit for bit (finite dO). num_warps (default NUM_WARPS) is the launch's. programs_per_sm (default
     PROGRAMS_PER_SM): 0 launches a program a tile of rows; n > 0 at most n programs an SM (one "SM" under the
     interpreter), each looping over tiles with the next one's load in flight. index_bits (default INDEX_BITS): 64, or
-    32 for the row and offset arithmetic where every offset of do, delta and out fits in int32 (else 64 anyway)."""
+    32 for the row and offset arithmetic where every offset of do, delta and out fits in int32 (else 64 anyway).
+    slice_cols (default SLICE_COLS, a power of two; at most the padded d is taken): a row is read as slices of that
+    many columns, each spread over the threads of one 16-byte load each, the slices in registers (`_surrogate_kernel`);
+    An explicit rows_per_program should give every thread of the launch a row (`_default_rows`)."""
     select = SELECT if select is None else select
     if select not in SELECTS:
         raise ValueError(f"surrogate_out: select must be one of {SELECTS}, got {select!r}")
@@ -276,8 +321,13 @@ def surrogate_out_triton(do: torch.Tensor, delta: torch.Tensor, *, rows_per_prog
     if rows == 0:
         return out
     block_d = triton.next_power_of_2(d)
+    w = SLICE_COLS if slice_cols is None else slice_cols
+    if w < 1 or w & (w - 1):
+        raise ValueError(f"surrogate_out: slice_cols must be a power of two, got {w}")
+    w = min(w, block_d)
+    num_warps = NUM_WARPS if num_warps is None else num_warps
     if rows_per_program is None and do.device.type == "cuda":
-        rows_per_program = max(1, ELEMS_PER_PROGRAM // block_d)
+        rows_per_program = _default_rows(block_d, w, num_warps, do.element_size())
     elif rows_per_program is None:
         rows_per_program = min(triton.next_power_of_2(rows), max(1, INTERPRET_ELEMS // block_d))
     block_r = rows_per_program
@@ -293,10 +343,10 @@ def surrogate_out_triton(do: torch.Tensor, delta: torch.Tensor, *, rows_per_prog
         programs = min(n_tiles, pps * (_launch.sm_count(do.device) if do.device.type == "cuda" else 1))
     _launch.launch(_surrogate_kernel, (programs,),
         do, delta, out, rows, s, h, n_tiles, *do.stride(), *delta.stride(),
-        D=d, BLOCK_D=block_d, BLOCK_R=block_r, NTOP=min(3, d), BIG=torch.finfo(do.dtype).max,
+        D=d, BLOCK_D=block_d, BLOCK_R=block_r, W=w, NTOP=min(3, d), BIG=torch.finfo(do.dtype).max,
         BF16=do.dtype == torch.bfloat16, KEYS=select == "keys", SHIFT=KEY_SHIFT.get(do.dtype, -1),
         I64=bits == 64 or not _offsets_fit_int32(do, delta, out),
-        num_warps=NUM_WARPS if num_warps is None else num_warps)
+        num_warps=num_warps)
     return out
 
 
