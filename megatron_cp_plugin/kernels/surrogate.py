@@ -251,11 +251,12 @@ if triton is not None:
         # loads the next tile's dO before it works on this one's, so that its load is in flight during the three
         # max passes (a program that loads only after its store waits out the load's latency each tile).
         # A row is BLOCK_D / W slices of W columns (`_columns`): a slice is spread over W / 8 threads (8 16-bit
-        # entries a thread, one 16-byte load) and the slices stay in that thread's registers, so a row's scalar
-        # work (the four IEEE divisions, the roundings, the index arithmetic, each reduction's shuffles) is done by
-        # W / 8 threads instead of BLOCK_D / 8: each thread that holds a row repeats it. The tensors are [rows,
-        # slices, W], rows before slices: the compiler lays threads along the most contiguous axis (W) and then, the
-        # other two tied, along the lower-numbered one; [slices, rows, W] put the threads on the slices.
+        # entries a thread, one 16-byte load; W / 4 in fp32) and the slices stay in that thread's registers, so a
+        # row's scalar work (the four IEEE divisions, the roundings, the index arithmetic, each reduction's shuffles)
+        # is done by W / 8 threads instead of BLOCK_D / 8: each thread that holds a row repeats it. The tensors
+        # are [rows, slices, W], rows before slices: the compiler lays threads along the most contiguous axis (W)
+        # and then, the other two tied, along the lower-numbered one; [slices, rows, W] put the threads on the
+        # slices.
         OUT_TY = OUT.dtype.element_ty
         pid, step = tl.program_id(0), tl.num_programs(0)
         cols = _columns(BLOCK_D, W)
@@ -307,7 +308,7 @@ def surrogate_out_triton(do: torch.Tensor, delta: torch.Tensor, *, rows_per_prog
     interpreter), each looping over tiles with the next one's load in flight. index_bits (default INDEX_BITS): 64, or
     32 for the row and offset arithmetic where every offset of do, delta and out fits in int32 (else 64 anyway).
     slice_cols (default SLICE_COLS, a power of two; at most the padded d is taken): a row is read as slices of that
-    many columns, each spread over the threads of one 16-byte load each, the slices in registers (`_surrogate_kernel`);
+    many columns, each spread over the threads of one 16-byte load each, the slices in registers (`_surrogate_kernel`).
     An explicit rows_per_program should give every thread of the launch a row (`_default_rows`)."""
     select = SELECT if select is None else select
     if select not in SELECTS:
