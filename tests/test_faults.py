@@ -26,7 +26,8 @@ SAVE_FLUSH_S = 5
 (filesystem_async.py, use_fsync=True), and a rank inside fsync is in uninterruptible sleep, so SIGKILL takes it only
 when the flush returns. On CI's 2-core machine (2026-11-28) Ctrl-C during saves once took 5.3 s where the same test
 took under 3 s in the run before, with no change to the code under test: 5.3 s is about the launcher's 5 s join of a
-rank it had sent SIGKILL (watchdog.kill_descendants), as a rank held in a flush would take. A launcher that waits for the ranks to finish (30 s before the watchdog) still fails these bounds."""
+rank it had sent SIGKILL (watchdog.kill_descendants), as a rank held in a flush would take. A launcher that waits
+for the ranks to finish (30 s before the watchdog) still fails these bounds."""
 TINY = ["--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "8", "--num-query-groups", "2",
         "--seq-length", "128", "--micro-batch-size", "1", "--log-interval", "1", "--train-iters", "5000",
         "--nproc", "2", "--mock-data", "--context-parallel-algo", "ring", "--dist-timeout", str(TIMEOUT),

@@ -305,8 +305,8 @@ def surrogate_out_triton(do: torch.Tensor, delta: torch.Tensor, *, rows_per_prog
     (an argmax and a sum a pass) or "keys" (one max of packed integer keys a pass); the same entries, the same
     output bit for bit (finite dO). num_warps (default NUM_WARPS) is the launch's. programs_per_sm (default
     PROGRAMS_PER_SM): 0 launches a program a tile of rows; n > 0 at most n programs an SM (one "SM" under the
-    interpreter), each looping over tiles with the next one's load in flight. index_bits (default INDEX_BITS): 64, or
-    32 for the row and offset arithmetic where every offset of do, delta and out fits in int32 (else 64 anyway).
+    interpreter), each looping over tiles with the next one's load in flight. index_bits (default INDEX_BITS): 32 for
+    the row and offset arithmetic where every offset of do, delta and out fits in int32 (else 64 anyway), or 64.
     slice_cols (default SLICE_COLS, a power of two; at most the padded d is taken): a row is read as slices of that
     many columns, each spread over the threads of one 16-byte load each, the slices in registers (`_surrogate_kernel`).
     An explicit rows_per_program should give every thread of the launch a row (`_default_rows`)."""
