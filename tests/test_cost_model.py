@@ -271,11 +271,14 @@ picks below that stand on those measurements are among them."""
 
 
 def test_choose_algo_picks():
-    # 2 GPUs over NVLink: compute-bound, the zigzag ring family (measured fastest there).
+    # 2 GPUs over NVLink: compute-bound, every prediction within the model's tie (cm.ALGO_TIME_TIE), so the
+    # registry's first, ring, the zigzag ring family measured fastest there (Attention2D-NO the slowest, 1-3 % behind,
+    # and predicted 0.4 % ahead of ring with the fit of 2026-11-29).
     assert set(choose_algo(Problem(131072, 2, 16), HARDWARE["h200-nvlink"])[1]) == set(mcp.ALGORITHMS)
-    name, times = choose_algo(Problem(131072, 2, 16), HARDWARE["h200-nvlink"], MEASURED_ALGOS)
-    assert name in ("ring", "burst")
-    assert min(times.values()) == times[name] and all(t > 0 for t in times.values())
+    for cands in (None, MEASURED_ALGOS, ("attention2d-no", "burst")):
+        name, times = choose_algo(Problem(131072, 2, 16), HARDWARE["h200-nvlink"], cands)
+        assert max(times.values()) < min(times.values()) * (1 + cm.ALGO_TIME_TIE) and all(t > 0 for t in times.values())
+        assert name == (cands or registry.names())[0], (name, times)
     # P = 16 over slow inter-node links (16 single-GPU Ethernet nodes, or 4 nodes of 4 A100 with a NIC per
     # GPU): Attention2D. With one NIC shared by the 4 A100 of a node, every Attention2D rank's column traffic
     # queues for it while ring's single crossing per node has it alone: burst wins there.

@@ -19,16 +19,16 @@ from .decode import (DECODE_METHODS, GRAPH_LATENCY_RATIO, GRAPH_LAUNCH_S, LAUNCH
                      predict_decode)
 from .hardware import (ADD_BYTES, ATTNFIX_BYTES, FA2_H100, HARDWARE, MERGE_BYTES, Hardware, Link, check_int,
                        overlapped, pairs_link, phase_link)
-from .model import (GRID_TIME_TIE, Prediction, Problem, attention2d_cost, attention_flops, best_grid, choose_algo,
-                    comm_bytes, predict, ring_family_cost)
+from .model import (ALGO_TIME_TIE, GRID_TIME_TIE, Prediction, Problem, attention2d_cost, attention_flops, best_grid,
+                    choose_algo, comm_bytes, predict, ring_family_cost)
 
 __all__ = [
     # hardware.py
     "ADD_BYTES", "ATTNFIX_BYTES", "FA2_H100", "HARDWARE", "MERGE_BYTES", "Hardware", "Link", "check_int",
     "overlapped", "pairs_link", "phase_link",
     # model.py
-    "GRID_TIME_TIE", "Prediction", "Problem", "attention2d_cost", "attention_flops", "best_grid", "choose_algo",
-    "comm_bytes", "predict", "ring_family_cost",
+    "ALGO_TIME_TIE", "GRID_TIME_TIE", "Prediction", "Problem", "attention2d_cost", "attention_flops", "best_grid",
+    "choose_algo", "comm_bytes", "predict", "ring_family_cost",
     # collective.py
     "allgather_bytes", "allgather_cost", "ulysses_bytes", "ulysses_cost", "ulysses_ring_cost",
     # decode.py
