@@ -7,6 +7,12 @@
 # Files under $OUT: rank.log, rank.{json,md,png}, rank_compute.json (the fit), surrogate.{log,json,md} (the surrogate
 # kernel's A/B), summary.txt (a line per step).
 # Exits non-zero if the step fails or is skipped for time.
+# On an H200 the deadline cuts the 1M GQA rows (2026-11-29: all of them; at 1M a row takes 30-60 s). Time them in a
+# second call, the slowest-rank search at 128k as in the first (it runs at each problem's first length), then fit
+# both runs together:
+#   python3 -m megatron_cp_plugin.bench rank --cp 16 64 --seq-len 131072 1048576 --heads 32 --kv-heads 8 --iters 6 \
+#     --passes 2 --budget-s 1 --ideal-max-seq 262144 --deadline-s 540 --out $OUT/gqa
+#   megatron-cp-bench rank --refit A/rank.json B/gqa.json --fit-out megatron_cp_plugin/configs/rank_compute.json
 set -u
 export OUT=${OUT:-results}
 BUDGET=${BUDGET:-590}

@@ -215,6 +215,21 @@ def test_refit_recomputes_the_factors_against_todays_model(tmp_path):
     assert set(f) == {"ring", "attention2d-no 4x4", "attention2d-no"}
     with pytest.raises(SystemExit, match="--fit-out"):
         bench_main(["rank", "--refit", str(src)])
+    # Several files: their rows together (a run cut by --deadline-s, then the rows it cut); a cell timed in both
+    # counts each row.
+    more = [{"S": 131072, "h/h_kv": "32/8", "P": 16, "algo": "ring", "grid": "-", "x_ideal": 1.5},
+            {"S": 131072, "h/h_kv": "32/32", "P": 2, "algo": "burst", "grid": "-", "x_ideal": 1.1}]
+    src2 = tmp_path / "rank2.json"
+    src2.write_text(json.dumps({"header": "rank_replay: ... b=1 d=64 causal torch.bfloat16.", "command": "c2",
+                                "device": "GPU", "rows": more}))
+    assert bench_main(["rank", "--refit", str(src), str(src2), "--fit-out", str(tmp_path / "fit2.json")]) == 0
+    out = json.loads((tmp_path / "fit2.json").read_text())
+    x = [r["x_ideal"] / model_x_ideal(r["algo"], r["S"], r["P"], *map(int, r["h/h_kv"].split("/")), 64, None, 2)
+         for r in more]
+    assert out["factors"]["ring"]["16"] == pytest.approx((want[0] + want[1] + x[0]) / 3)
+    assert out["factors"]["burst"]["2"] == pytest.approx(max(1.0, x[1]))
+    assert set(out["factors"]) == {"ring", "attention2d-no 4x4", "attention2d-no", "burst"}
+    assert "c; c2" in out["source"] and str(src2) in out["source"]
 
 
 def _call_order(monkeypatch, module, kernels) -> list:

@@ -163,9 +163,10 @@ def main(argv=None):
                    help="writes OUT.json, OUT.md and OUT.png (the figure, with matplotlib)")
     p.add_argument("--fit-out", default=None, metavar="PATH", help="also write the cost model's compute factors "
                    "(megatron_cp_plugin/configs/rank_compute.json is the one it reads)")
-    p.add_argument("--refit", default=None, metavar="JSON", help="run nothing: recompute x_model of a earlier run's "
-                   "result (OUT.json) against today's cost model and write --fit-out from it (after a change to the "
-                   "model's constants, so that the factors stay relative to the model that reads them)")
+    p.add_argument("--refit", default=None, nargs="+", metavar="JSON", help="run nothing: recompute x_model of "
+                   "earlier runs' results (OUT.json; several: their rows together, e.g. a run cut by --deadline-s and "
+                   "one of the rows it cut) against today's cost model and write --fit-out from them (also after a "
+                   "change to the model's constants, so that the factors stay relative to the model that reads them)")
     a = p.parse_args(argv)
     if a.refit:
         return refit(a.refit, a.fit_out)

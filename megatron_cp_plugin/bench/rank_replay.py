@@ -243,27 +243,33 @@ def fit(rows, command: str, device: str) -> dict:
             "source": f"{command} on {device}", "factors": factors}
 
 
-def refit(path: str, fit_out: str | None) -> int:
-    """`--refit`: x_model of every timed row of a result JSON against today's model, and its fit file."""
+def refit(paths, fit_out: str | None) -> int:
+    """`--refit`: x_model of every timed row of one or more result JSONs against today's model, and their fit file
+    (a cell timed in several files counts each row in its mean)."""
     if not fit_out:
         raise SystemExit("megatron-cp-bench rank: --refit needs --fit-out PATH (where to write the factors)")
-    with open(path) as fh:
-        data = json.load(fh)
-    header = data.get("header", "")
-    elem = 4 if "torch.float32" in header else 2
-    d = int(re.search(r"\bd=(\d+)", header).group(1)) if re.search(r"\bd=(\d+)", header) else 128
-    rows = []
-    for r in data["rows"]:
-        if "x_ideal" in r:
-            h, hk = (int(x) for x in r["h/h_kv"].split("/"))
-            grid = tuple(int(x) for x in r["grid"].split("x")) if r["grid"] != "-" else None
-            r = {**r, "x_model": r["x_ideal"] / model_x_ideal(r["algo"], r["S"], r["P"], h, hk, d, grid, elem)}
-        rows.append(r)
-    out = fit(rows, data.get("command", "?") + f" (refitted from {path} against today's cost model)",
-              data.get("device") or "?")
+    paths = [paths] if isinstance(paths, str) else list(paths)
+    rows, sources, devices = [], [], []
+    for path in paths:
+        with open(path) as fh:
+            data = json.load(fh)
+        header = data.get("header", "")
+        elem = 4 if "torch.float32" in header else 2
+        d = int(re.search(r"\bd=(\d+)", header).group(1)) if re.search(r"\bd=(\d+)", header) else 128
+        for r in data["rows"]:
+            if "x_ideal" in r:
+                h, hk = (int(x) for x in r["h/h_kv"].split("/"))
+                grid = tuple(int(x) for x in r["grid"].split("x")) if r["grid"] != "-" else None
+                r = {**r, "x_model": r["x_ideal"] / model_x_ideal(r["algo"], r["S"], r["P"], h, hk, d, grid, elem)}
+            rows.append(r)
+        sources.append(data.get("command", "?"))
+        devices.append(data.get("device") or "?")
+    out = fit(rows, "; ".join(sources) + f" (refitted from {', '.join(map(str, paths))} against today's cost model)",
+              " / ".join(dict.fromkeys(devices)))
     with open(fit_out, "w") as fh:
         json.dump(out, fh, indent=1)
-    print(f"megatron-cp-bench rank --refit: {sum('x_model' in r for r in rows)} rows of {path} -> {fit_out}")
+    print(f"megatron-cp-bench rank --refit: {sum('x_model' in r for r in rows)} rows of {', '.join(map(str, paths))} "
+          f"-> {fit_out}")
     return 0
 
 
