@@ -236,7 +236,8 @@ def fit(rows, command: str, device: str) -> dict:
     # At least 1.0: a rank runs the ideal's kernels on a share of its FLOPs, so a mean below 1 (0.96-0.99 at 1M
     # P = 16 and 128k P = 4 on the H100 of 2026-11-26) is the ideal's longer run slowed more by the GPU's power cap
     # (700 W, SM 1350-1590 MHz against 1980: ideal_drift), not a rank faster than its kernels.
-    factors = {k: {P: max(1.0, statistics.fmean(xs)) for P, xs in per.items()} for k, per in acc.items()}
+    factors = {k: {P: max(1.0, statistics.fmean(xs)) for P, xs in sorted(per.items(), key=lambda t: int(t[0]))}
+               for k, per in acc.items()}
     return {"about": "Per-algorithm compute factors of the cost model (megatron_cp_plugin/cost/compute.py): a "
                      "rank's measured fwd+bwd local work over the ideal, divided by the model's own ratio; mean "
                      "over the problems (lengths, MHA / GQA) of each algorithm, grid and P.",
