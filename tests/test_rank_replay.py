@@ -230,6 +230,17 @@ def test_refit_recomputes_the_factors_against_todays_model(tmp_path):
     assert out["factors"]["burst"]["2"] == pytest.approx(max(1.0, x[1]))
     assert set(out["factors"]) == {"ring", "attention2d-no 4x4", "attention2d-no", "burst"}
     assert "c; c2" in out["source"] and str(src2) in out["source"]
+    assert (tmp_path / "fit2.json").read_text().endswith("}\n")
+
+
+def test_fit_source_is_the_command_a_user_types():
+    """A fit file's `source` names the run as `megatron-cp-bench ...`, without the paths it wrote to."""
+    from megatron_cp_plugin.bench.rank_replay import run_command
+    argv = ["/x/megatron_cp_plugin/bench/__main__.py", "rank", "--cp", "16", "--out", "/root/out/g", "--iters", "6",
+            "--fit-out", "/root/f.json", "--out=/o"]
+    assert run_command(argv) == "megatron-cp-bench rank --cp 16 --iters 6"
+    assert run_command(" ".join(argv)) == run_command(argv)
+    assert run_command("megatron-cp-bench rank --cp 2") == "megatron-cp-bench rank --cp 2"
 
 
 def _call_order(monkeypatch, module, kernels) -> list:

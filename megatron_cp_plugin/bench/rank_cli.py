@@ -46,7 +46,6 @@ checked against what the device has free (`_common.not_fitting`); one that does 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
@@ -55,7 +54,8 @@ import torch
 from ._common import FLOP_FORMULA, attention_flop, not_fitting, write_report
 from ._replay_comm import ReplayDist
 from .rank_replay import (ALGOS, GRID_ALGOS, RankReplay, _shards, _sync, count_launches, fit, grids, measure,
-                          model_x_ideal, refit, replay_need, shard_bytes, single_device_ms, single_need, timed)
+                          model_x_ideal, refit, replay_need, run_command, shard_bytes, single_device_ms, single_need,
+                          timed, write_fit)
 
 
 def _times(row: dict, passes: list, ideal, ideal_from: str, model) -> None:
@@ -277,6 +277,5 @@ def main(argv=None):
     print(write_report(rows, a.out, header, plot={"kind": "rank"}))     # bench/plots.py's rank_figure
     if a.fit_out:
         import sys
-        with open(a.fit_out, "w") as fh:
-            json.dump(fit(rows, " ".join(sys.argv), name), fh, indent=1)
+        write_fit(a.fit_out, fit(rows, run_command(sys.argv), name))
     return 0

@@ -221,6 +221,30 @@ def model_x_ideal(algo, S, P, h, hk, d, grid, elem) -> float:
     return pred.total_s / (pred.fwd_flops / hw.fwd_tflops + pred.bwd_flops / hw.bwd_tflops)
 
 
+def run_command(argv) -> str:
+    """A run's command line as a user types it, for a fit file's `source`: the program as `megatron-cp-bench`
+    (`sys.argv[0]` is the path of bench/__main__.py under `python -m`) and without its output paths (--out,
+    --fit-out: where that machine wrote, not what it measured)."""
+    argv = list(argv.split() if isinstance(argv, str) else argv)
+    if argv and (argv[0].endswith(("__main__.py", "megatron-cp-bench")) or argv[0] == "-m"):
+        argv[0] = "megatron-cp-bench"
+    out, skip = [], False
+    for word in argv:
+        if skip:
+            skip = False
+        elif word in ("--out", "--fit-out"):
+            skip = True
+        elif not word.startswith(("--out=", "--fit-out=")):
+            out.append(word)
+    return " ".join(out)
+
+
+def write_fit(path: str, fitted: dict) -> None:
+    with open(path, "w") as fh:
+        json.dump(fitted, fh, indent=1)
+        fh.write("\n")
+
+
 def fit(rows, command: str, device: str) -> dict:
     """The cost model's fit file: mean x_model per "<algo> RxC" (and "<algo>" from square grids) and P."""
     acc: dict = {}
@@ -263,12 +287,11 @@ def refit(paths, fit_out: str | None) -> int:
                 grid = tuple(int(x) for x in r["grid"].split("x")) if r["grid"] != "-" else None
                 r = {**r, "x_model": r["x_ideal"] / model_x_ideal(r["algo"], r["S"], r["P"], h, hk, d, grid, elem)}
             rows.append(r)
-        sources.append(data.get("command", "?"))
+        sources.append(run_command(data.get("command", "?")))
         devices.append(data.get("device") or "?")
     out = fit(rows, "; ".join(sources) + f" (refitted from {', '.join(map(str, paths))} against today's cost model)",
               " / ".join(dict.fromkeys(devices)))
-    with open(fit_out, "w") as fh:
-        json.dump(out, fh, indent=1)
+    write_fit(fit_out, out)
     print(f"megatron-cp-bench rank --refit: {sum('x_model' in r for r in rows)} rows of {', '.join(map(str, paths))} "
           f"-> {fit_out}")
     return 0
