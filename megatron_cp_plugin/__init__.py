@@ -4,7 +4,8 @@ from . import quiet as _quiet
 _quiet.install()        # before anything imports megatron-core: its TE / Apex fallback warnings (quiet.py)
 from .algos import ALGORITHMS, context_parallel_attention
 from .algos.tree_decode import tree_decode
-from .comm import CommStats, CPGrid, attention2d_bytes, choose_grid
+from .comm import CommStats
+from .cp_grid import CPGrid, attention2d_bytes, choose_grid
 from .sharding import (document_unit, pad_documents, pad_packed, sequence_positions, shard_sequence,
                        unshard_sequence)
 

@@ -11,11 +11,11 @@ import os
 import queue
 import traceback
 
-from megatron_cp_plugin import comm
+from megatron_cp_plugin import cp_grid
 from megatron_cp_plugin.comm import init_group, serve_store
 
 
-SHIPPED_OVERLAP_MIN_LOCAL = comm.OVERLAP_MIN_LOCAL
+SHIPPED_OVERLAP_MIN_LOCAL = cp_grid.OVERLAP_MIN_LOCAL
 
 
 def _worker(rank, world, port, tasks, results):
@@ -25,9 +25,9 @@ def _worker(rank, world, port, tasks, results):
 
     torch.set_num_threads(1)
     # The tests' shards are tens of tokens: with the shipped threshold Attention2D-O would run Attention2D-NO's
-    # schedule on every one of them (comm.overlap_pays), so its own is what the ranks run unless a test sets it back
+    # schedule on every one of them (cp_grid.overlap_pays), so its own is what the ranks run unless a test sets it back
     # (SHIPPED_OVERLAP_MIN_LOCAL). Tests that compare with the test process's formulas set it there too.
-    comm.OVERLAP_MIN_LOCAL = 0
+    cp_grid.OVERLAP_MIN_LOCAL = 0
     init_group("gloo", rank, world, port)
     while True:
         item = tasks.get()

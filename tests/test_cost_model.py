@@ -27,7 +27,7 @@ DTYPES = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
 def _counted(rank, world, cases):
     """(forward, backward) CommStats bytes of each case: (algo, grid (R, C, gpus_per_node) or None, e, h, h_kv,
     d, b, tokens per rank, causal)."""
-    from megatron_cp_plugin.comm import get_grid
+    from megatron_cp_plugin.cp_grid import get_grid
 
     out = []
     for algo, grid, e, h, hk, d, b, s_l, causal in cases:
@@ -460,7 +460,7 @@ def test_attention2d_no_bytes_against_ring_te(world):
 
 
 def test_attention2d_o_runs_the_no_schedule_on_shards_up_to_8k():
-    """Attention2D-O sends -NO's bytes on shards of 8k tokens or fewer (comm.OVERLAP_MIN_LOCAL: at 128k over 16 its
+    """Attention2D-O sends -NO's bytes on shards of 8k tokens or fewer (cp_grid.OVERLAP_MIN_LOCAL: at 128k over 16 its
     overlap cost more local work than it hid, one H100, twenty-third session) and its own multi-hop fp32 ring
     accumulators above (16k tokens: 256k over 16, 1M over 64)."""
     for n, P, own in ((131072, 16, False), (131072, 64, False), (262144, 16, True), (1048576, 64, True)):

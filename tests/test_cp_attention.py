@@ -651,9 +651,9 @@ def _bytes(rank, world, algo, dtype, h, hk, seq=None):
 
 def _short_o(rank, world, overlap_min):
     """Attention2D-O and -NO on one problem (bf16: partials that sum on the way travel in fp32, the rest in bf16) with
-    comm.OVERLAP_MIN_LOCAL = overlap_min: each one's output, input gradients and (forward, backward) bytes."""
-    from megatron_cp_plugin import comm
-    keep, comm.OVERLAP_MIN_LOCAL = comm.OVERLAP_MIN_LOCAL, overlap_min
+    cp_grid.OVERLAP_MIN_LOCAL = overlap_min: each one's output, input gradients and (forward, backward) bytes."""
+    from megatron_cp_plugin import cp_grid
+    keep, cp_grid.OVERLAP_MIN_LOCAL = cp_grid.OVERLAP_MIN_LOCAL, overlap_min
     try:
         q, k, v, do = _inputs(11, 2 * world * 3, 4, 2, 8, torch.bfloat16)
         out = {}
@@ -666,16 +666,16 @@ def _short_o(rank, world, overlap_min):
             out[algo] = ([o.detach(), ql.grad, kl.grad, vl.grad], (stats.forward_bytes, stats.backward_bytes))
         return out
     finally:
-        comm.OVERLAP_MIN_LOCAL = keep
+        cp_grid.OVERLAP_MIN_LOCAL = keep
 
 
 @pytest.mark.parametrize("world", (4, 9))
 def test_attention2d_o_runs_no_on_short_shards(pools, monkeypatch, world):
-    """With the shipped comm.OVERLAP_MIN_LOCAL the tests' shards (12 tokens) are short: Attention2D-O gives
+    """With the shipped cp_grid.OVERLAP_MIN_LOCAL the tests' shards (12 tokens) are short: Attention2D-O gives
     Attention2D-NO's bits and bytes, which the formula names (attention2d_bytes(overlap=True) is -NO's there); with
     the threshold under the shard it runs its own rings (at 3 x 3 its dK, dV ring of two hops sends fp32: more
     backward bytes, the formula's with overlap)."""
-    from megatron_cp_plugin import comm
+    from megatron_cp_plugin import cp_grid
     from tests.dist_pool import SHIPPED_OVERLAP_MIN_LOCAL
     assert SHIPPED_OVERLAP_MIN_LOCAL >= BATCH * 2 * 3
     r = int(world ** 0.5)
@@ -686,14 +686,14 @@ def test_attention2d_o_runs_no_on_short_shards(pools, monkeypatch, world):
 
     short = pools(world).run(_short_o, SHIPPED_OVERLAP_MIN_LOCAL)
     own = pools(world).run(_short_o, 0)
-    monkeypatch.setattr(comm, "OVERLAP_MIN_LOCAL", 0)
+    monkeypatch.setattr(cp_grid, "OVERLAP_MIN_LOCAL", 0)
     for rank in range(world):
         (o_t, o_b), (n_t, n_b) = short[rank]["attention2d-o"], short[rank]["attention2d-no"]
         assert all(torch.equal(a, b) for a, b in zip(o_t, n_t)) and o_b == n_b == formula(False, rank)
         assert own[rank]["attention2d-o"][1] == formula(True, rank)
         if r == 3:
             assert own[rank]["attention2d-o"][1][1] > n_b[1]
-    monkeypatch.setattr(comm, "OVERLAP_MIN_LOCAL", SHIPPED_OVERLAP_MIN_LOCAL)
+    monkeypatch.setattr(cp_grid, "OVERLAP_MIN_LOCAL", SHIPPED_OVERLAP_MIN_LOCAL)
     assert all(formula(True, p) == formula(False, p) for p in range(world))
 
 
@@ -716,8 +716,8 @@ def test_byte_counters_equal_formulas(pools, world, algo):
 @pytest.mark.parametrize("algo", ["attention2d-no", "attention2d-o"])
 @pytest.mark.parametrize("world", (2, 4, 6, 9))
 def test_attention2d_byte_counters_equal_formula(pools, monkeypatch, world, algo):
-    from megatron_cp_plugin import comm
-    monkeypatch.setattr(comm, "OVERLAP_MIN_LOCAL", 0)           # the formula of what the ranks run (dist_pool)
+    from megatron_cp_plugin import cp_grid
+    monkeypatch.setattr(cp_grid, "OVERLAP_MIN_LOCAL", 0)           # the formula of what the ranks run (dist_pool)
     for dtype, (h, hk) in itertools.product((torch.float32, torch.bfloat16), HEADS):
         rows, cols = mcp.choose_grid(world, h=h, h_kv=hk)
         want = [mcp.attention2d_bytes(seq_len=2 * world * 3, world=world, rows=rows, cols=cols, b=BATCH, h=h,
@@ -887,12 +887,13 @@ def _held_after_attention(rank, world):
     """After Attention2D's forward and backward, every group it ran a gloo collective on still holds its last
     work from Python (comm.run_collective), so gloo's worker thread never frees tensors at interpreter exit."""
     from megatron_cp_plugin import comm
+    from megatron_cp_plugin import cp_grid
 
     comm._HELD_WORK.clear()
     q, k, v, _ = _inputs(3, 4 * world, 4, 4, 16, torch.float32)
     ql, kl, vl = (mcp.shard_sequence(t, algo="attention2d-no").requires_grad_() for t in (q, k, v))
     mcp.context_parallel_attention(ql, kl, vl, algo="attention2d-no").sum().backward()
-    grid = comm.get_grid(comm.resolve_group(None), h=4, h_kv=4)
+    grid = cp_grid.get_grid(comm.resolve_group(None), h=4, h_kv=4)
     used = [g for g in (grid.row, grid.col) if g is not None]
     return bool(used) and all(g in comm._HELD_WORK for g in used) and all(w.is_completed()
                                                                           for w in comm._HELD_WORK.values())

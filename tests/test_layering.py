@@ -56,3 +56,16 @@ def test_algos_import_neither_sharding_nor_the_cost_model():
 
 def test_the_cost_package_imports_nothing_above_it():
     assert _offenders("cost", ("bench", "training", "megatron", "megatron_lm", "inference")) == []
+
+
+def test_comm_and_the_grid_sit_below_the_algorithms():
+    """comm.py and cp_grid.py import nothing above them, and cp_grid.py reaches torch.distributed only as `comm.dist`
+    (the rank benchmark's replay swaps that one name: bench/_replay_comm.py)."""
+    above = tuple(f"megatron_cp_plugin.{b}" for b in ("algos", "sharding", "cost", "cost_model", "bench", "training",
+                                                      "megatron", "megatron_lm", "inference"))
+    for name in ("comm.py", "cp_grid.py"):
+        assert [m for m in imports(PKG / name) if _within(m, above)] == [], name
+    nodes = list(ast.walk(ast.parse((PKG / "cp_grid.py").read_text())))
+    mods = [a.name for n in nodes if isinstance(n, ast.Import) for a in n.names]
+    mods += [n.module or "" for n in nodes if isinstance(n, ast.ImportFrom)]
+    assert [m for m in mods if m.startswith("torch")] == []

@@ -157,8 +157,8 @@ def _algo(m, algo, grid=None):
      (512 + 256) + 128 + 2 * 128 + 2 * 2 * 256 + 3 * 512 + 512 + 256 + 2048 + 512),             # 4480, 7040
 ])
 def test_each_algorithms_buffers_are_what_its_code_allocates(monkeypatch, algo, grid, forward, backward):
-    from megatron_cp_plugin import comm
-    monkeypatch.setattr(comm, "OVERLAP_MIN_LOCAL", 0)     # Attention2D-O's own terms at t = 8 (else -NO's: below)
+    from megatron_cp_plugin import cp_grid
+    monkeypatch.setattr(cp_grid, "OVERLAP_MIN_LOCAL", 0)     # Attention2D-O's own terms at t = 8 (else -NO's: below)
     got = plan_terms.terms(algo, dataclasses.replace(GQA, grid=grid))
     assert (got.forward, got.backward) == (forward, backward)
     # one rank: the local block alone (Qa + Q; blk + Qa + 2Ka), whatever the algorithm
@@ -166,7 +166,7 @@ def test_each_algorithms_buffers_are_what_its_code_allocates(monkeypatch, algo, 
 
 
 def test_attention2d_o_on_short_shards_plans_attention2d_no():
-    """At the shipped comm.OVERLAP_MIN_LOCAL, t = 8 tokens run Attention2D-NO's schedule: its terms."""
+    """At the shipped cp_grid.OVERLAP_MIN_LOCAL, t = 8 tokens run Attention2D-NO's schedule: its terms."""
     sh = dataclasses.replace(GQA, grid=(2, 2))
     assert plan_terms.terms("attention2d-o", sh) == plan_terms.terms("attention2d-no", sh) != (
         plan_terms.terms("attention2d-o", dataclasses.replace(sh, tokens=8192)))
@@ -464,17 +464,17 @@ def test_the_planner_lowers_attention2ds_group_cap_where_the_default_does_not_fi
 
 
 def test_the_default_group_rule_keeps_ungrouped_shards_ungrouped():
-    """comm.GROUP_TOKENS' default rule: the largest cap (32768), except where the smallest (16384) groups nothing,
+    """cp_grid.GROUP_TOKENS' default rule: the largest cap (32768), except where the smallest (16384) groups nothing,
     whose pairs keep the overlapped schedule (attention2d.pair_order): 1M over 8 x 8 (16k tokens) one chunk a call,
     128k over 4 x 4 (8k) 4, 128k over 8 x 8 (2k) 8; an explicit cap as given. The same for Attention2D-O's batches.
     The cost model follows (Problem.group_tokens): 1M P = 64 as at 16384, 128k P = 16 as at 32768."""
-    from megatron_cp_plugin import comm
+    from megatron_cp_plugin import cp_grid
     from megatron_cp_plugin.cost import HARDWARE, Problem
     from megatron_cp_plugin.cost import model as cm
 
-    assert [comm.group_chunks(8, 8, 16384), comm.group_chunks(4, 4, 8192), comm.group_chunks(8, 8, 2048)] == [1, 4, 8]
-    assert [comm.group_chunks(8, 8, 16384, 32768), comm.group_chunks(4, 4, 8192, 16384)] == [2, 2]
-    assert [comm.batch_chunks(8, 16384), comm.batch_chunks(4, 8192), comm.batch_chunks(8, 16384, 32768)] == [1, 4, 2]
+    assert [cp_grid.group_chunks(8, 8, 16384), cp_grid.group_chunks(4, 4, 8192), cp_grid.group_chunks(8, 8, 2048)] == [1, 4, 8]
+    assert [cp_grid.group_chunks(8, 8, 16384, 32768), cp_grid.group_chunks(4, 4, 8192, 16384)] == [2, 2]
+    assert [cp_grid.batch_chunks(8, 16384), cp_grid.batch_chunks(4, 8192), cp_grid.batch_chunks(8, 16384, 32768)] == [1, 4, 2]
 
     def t(S, P, grid, cap):
         return cm.predict("attention2d-no", Problem(S, P, 32, grid=grid, node_aware=False, group_tokens=cap),

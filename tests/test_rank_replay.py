@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import megatron_cp_plugin as mcp
 from megatron_cp_plugin.bench._replay_comm import Recorder, patched
-from megatron_cp_plugin.comm import get_grid
+from megatron_cp_plugin.cp_grid import get_grid
 from megatron_cp_plugin.bench.cli import main as bench_main
 from megatron_cp_plugin.bench.rank_replay import ALGOS, GRID_ALGOS, RankReplay
 
@@ -24,9 +24,9 @@ CONFIGS = [(a, None) for a in ALGOS if a not in GRID_ALGOS] + [
 
 @pytest.fixture(autouse=True)
 def _attention2d_o_own_schedule(monkeypatch):
-    """Attention2D-O's own schedule at these tests' shards of tens of tokens (comm.overlap_pays would run -NO's)."""
-    from megatron_cp_plugin import comm
-    monkeypatch.setattr(comm, "OVERLAP_MIN_LOCAL", 0)
+    """Attention2D-O's own schedule at these tests' shards of tens of tokens (cp_grid.overlap_pays would run -NO's)."""
+    from megatron_cp_plugin import cp_grid
+    monkeypatch.setattr(cp_grid, "OVERLAP_MIN_LOCAL", 0)
 
 
 def _record_then_replay(rank, world, dtype):
@@ -368,11 +368,11 @@ def test_attention2d_o_batches_within_the_grids_cap(monkeypatch, cap, most):
     of query rows a call (CPGrid.group_tokens): up to 3 of the column's chunks a call at 24, 2 at 16, and at 8 one
     chunk a call (the per-chunk calls of pass 0), forward and backward (C = 3: one middle pass, whose chunks the
     masks split 2 + 1 on this rank). Red with the grid's cap ignored."""
-    from megatron_cp_plugin import comm
+    from megatron_cp_plugin import cp_grid
     from megatron_cp_plugin.algos import attention2d_o
     from megatron_cp_plugin.bench.rank_replay import RankReplay, _shards
 
-    monkeypatch.setattr(comm, "OVERLAP_MIN_LOCAL", 0)
+    monkeypatch.setattr(cp_grid, "OVERLAP_MIN_LOCAL", 0)
     chunks = {"block_fwd": [], "block_bwd": []}            # chunks (the batch dimension, b = 1) of each batched call
     for name, arg in (("block_fwd", 0), ("block_bwd", 1)):
         real = getattr(attention2d_o, name)

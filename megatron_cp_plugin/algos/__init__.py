@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..comm import CommStats, CPGrid, get_grid, resolve_group
+from ..comm import CommStats, resolve_group
+from ..cp_grid import CPGrid, get_grid
 from ..kernels.local_attn import select_backend
 from . import registry
 from ._layout import algo_documents

@@ -1,6 +1,6 @@
 """Attention2D (attention2d.txt): attention parallel over both the query and the key/value dimension.
 
-P ranks form an R x C grid (`comm.CPGrid`); tokens are cyclic (token t on group rank t mod P), so rank p
+P ranks form an R x C grid (`cp_grid.CPGrid`); tokens are cyclic (token t on group rank t mod P), so rank p
 holds the `s` tokens p, p + P, p + 2P, ... of q, k, v.
 
 Attention2D-NO forward (Alg. 1):
@@ -30,7 +30,7 @@ i + cR and the column's K, V chunks j + rC, so for T a multiple of lcm(R, C) the
 chunks with residues a, a + T, ..; interleaved, a group's rows are the tokens a + Tu in order, and a (Q group,
 K, V group) pair is again one triangle, by the rule above with T for P (`ChunkGroups`). A square grid is one
 call per rank (n = R = C), an R x C grid with R = kC (or C = kR) k calls of n = min(R, C) chunks, each of at
-most the grid's group_tokens query rows (comm.GROUP_TOKENS; smaller groups, more calls, beyond it); on the
+most the grid's group_tokens query rows (cp_grid.GROUP_TOKENS; smaller groups, more calls, beyond it); on the
 node-aware placement every pair stays a call of its own. Interleaving costs one copy of the gathered Q, dO and
 K, V (none where n = 1); merges and accumulator adds fall from one per chunk pair to one per group pair. Packed
 sequences (each document cyclic on its own) keep this per document: every chunk holds 1/P of each document, so
@@ -56,8 +56,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..comm import (CommStats, CPGrid, all_gather_start, all_to_all, group_chunks, kv_moves, permute, reduce_at_owner,
-                    reduce_at_owner_start)
+from ..comm import CommStats, all_gather_start, all_to_all, permute, reduce_at_owner, reduce_at_owner_start
+from ..cp_grid import CPGrid, group_chunks, kv_moves
 from ..kernels.local_attn import acc_dtype, attention_delta, block_bwd_into, block_fwd_into, surrogate_out
 from ..kernels.merge import finite_lse
 from ..kernels.segments import Segments
@@ -109,7 +109,7 @@ class ChunkGroups:
     residues a, a + T, ..., a + (n - 1) T (a < T). Interleaved (row m n + x = chunk x's row m) a group's tokens
     are a + T u in order, u = 0 .. n s - 1, so a Q group (a) x K, V group (c) pair is one triangle, as one chunk
     pair is (`pair_mask(a, c)`: key c + T t visible to query a + T u iff t < u, or t == u and c <= a), n^2 times
-    its size, n from `comm.group_chunks`. Q group g holds row chunks g, g + kq, ... (kq = len(q_res)), K, V group g
+    its size, n from `cp_grid.group_chunks`. Q group g holds row chunks g, g + kq, ... (kq = len(q_res)), K, V group g
     column chunks g, g + kk, ... (kk = len(kv_res))."""
 
     n: int

@@ -23,7 +23,7 @@ call's partials merged in one launch (`merge_many_`); so do the backward's middl
 chunk, each chunk's dK, dV sent down the column as soon as it is final, Alg. 11). At P = 64 on 8 x 8 that was at
 most 22 forward calls instead of 64 and 28 backward instead of 64; shards that short now take the schedule below.
 
-Short shards (8k tokens a rank or fewer, `comm.overlap_pays`) run Attention2D-NO's schedule instead: a pair's
+Short shards (8k tokens a rank or fewer, `cp_grid.overlap_pays`) run Attention2D-NO's schedule instead: a pair's
 compute there is shorter than a ring hop's host time, so the rings hide nothing and their launches bind the rank.
 
 Wire precision (docs/design.md): a dK, dV accumulator that is summed into on its way round a column ring of
@@ -32,7 +32,7 @@ travels in the input dtype. o and dQ accumulators, lse and D always travel in fp
 Bytes per rank (n_q = b s h d, n_kv = b s h_kv d, n_r = b h s; e = element size; w_R = e if R = 2 else 4):
   forward  perm + (C-1) (n_q e + (n_q + n_r) 4) + (R-1) 2 n_kv e
   backward perm + (C-1) (2 n_q e + 2 n_r 4 + n_q 4) + (R-1) 2 n_kv (e + w_R)
-where perm = 2 n_kv e when the placement moves K, V (see `comm.attention2d_bytes`).
+where perm = 2 n_kv e when the placement moves K, V (see `cp_grid.attention2d_bytes`).
 
 Indices (this rank is processor p_{i,j} of the R x C grid): pass t = 0 .. C-1 computes with the Q block that has
 made t hops round the row ring, that of grid column (j - t) mod C; inside a pass, hop u = 0 .. R-1 takes the
@@ -44,8 +44,9 @@ from __future__ import annotations
 
 import torch
 
-from .. import comm
-from ..comm import CommStats, CPGrid, Ring, wire_dtype
+from .. import cp_grid
+from ..comm import CommStats, Ring, wire_dtype
+from ..cp_grid import CPGrid
 from ..kernels.local_attn import (acc_dtype, attention_delta, block_bwd, block_bwd_into, block_fwd, block_fwd_into,
                                   strict_bwd, strict_fwd, surrogate_out)
 from ..kernels.merge import accumulate_, merge_, merge_many_
@@ -87,8 +88,8 @@ class Stacked:
 
 
 def batch_cap(q, grid: CPGrid) -> int:
-    """Chunks one batched call may take: within the grid's cap on query rows (comm.batch_chunks; b s a chunk)."""
-    return comm.batch_chunks(grid.rows, q.shape[0] * q.shape[1], grid.group_tokens)
+    """Chunks one batched call may take: within the grid's cap on query rows (cp_grid.batch_chunks; b s a chunk)."""
+    return cp_grid.batch_chunks(grid.rows, q.shape[0] * q.shape[1], grid.group_tokens)
 
 
 def _rows(mask):
@@ -291,8 +292,8 @@ def attention2d_o(q, k, v, *, group: CPGrid, causal: bool = True, softmax_scale:
                   comm_stats: CommStats | None = None, packing=None):
     """Attention2D-O on validated cyclic shards: q [b, s, h, d], k, v [b, s, h_kv, d] -> [b, s, h, d]
     (`packing`: the `_packing.Packing` of a packed sequence, each document cyclic on its own). Shards too short for
-    the overlap to pay (`comm.overlap_pays`: 8k tokens or fewer) run Attention2D-NO's schedule, same grid and
+    the overlap to pay (`cp_grid.overlap_pays`: 8k tokens or fewer) run Attention2D-NO's schedule, same grid and
     result."""
-    own = comm.overlap_pays(q.shape[0] * q.shape[1])
+    own = cp_grid.overlap_pays(q.shape[0] * q.shape[1])
     fwd, bwd = (_forward, _backward) if own else (a2d_no._forward, a2d_no._backward)
     return CPAttention.apply(q, k, v, fwd, bwd, group, causal, softmax_scale, backend, comm_stats, packing)

@@ -3,7 +3,7 @@
 A row (`Algorithm`) holds everything the rest of the plugin asks of an algorithm: its sequence layout (which
 tokens a rank holds; _layout.py places them), so the multiple the sequence length must be (`divisor`), its
 family (a --context-parallel-algo value that lets the cost model pick among the family's members, e.g.
-`attention2d`), whether it runs on an R x C grid (`--cp-grid`, comm.CPGrid), its implementation and its
+`attention2d`), whether it runs on an R x C grid (`--cp-grid`, cp_grid.CPGrid), its implementation and its
 cost-model entry, and the line docs and --help show. Everything else is derived from the rows: the flag's
 choices (`flag_choices`), `auto`'s candidates (`candidates`), the layouts sharding, RoPE and decoding use
 (`layout_of`), the cost model's dispatch, and docs/design.md's table of algorithms (tests/test_registry.py).
@@ -48,7 +48,7 @@ class Algorithm:
     """Algorithms of one family differ in schedule only; a family name that is not itself an algorithm is a flag
     value the cost model resolves to the family's fastest member (its first without a model shape)."""
     grid: bool
-    """Runs on an R x C grid of ranks (comm.CPGrid; --cp-grid applies)."""
+    """Runs on an R x C grid of ranks (cp_grid.CPGrid; --cp-grid applies)."""
     impl: str | Callable
     """(q, k, v, *, group, causal, softmax_scale, backend, comm_stats, packing) -> o, or its "module:function"
     path; `group` is a CPGrid when `grid`, else a process group."""
@@ -61,9 +61,9 @@ class Algorithm:
     """A benchmark baseline (bench and the cost model run it), not a --context-parallel-algo choice."""
     default_grid: str | Callable | None = None
     """A grid algorithm's grid for a plain group and no --cp-grid: (world, h, h_kv) -> (rows, cols), or its
-    "module:function" path; None: comm.choose_grid's (Attention2D's byte-minimising one)."""
+    "module:function" path; None: cp_grid.choose_grid's (Attention2D's byte-minimising one)."""
     grouped: bool = False
-    """Its kernel calls take several chunks at once, up to the grid's cap on query tokens (comm.GROUP_TOKENS,
+    """Its kernel calls take several chunks at once, up to the grid's cap on query tokens (cp_grid.GROUP_TOKENS,
     CPGrid.group_tokens; --cp-group-tokens applies, and the memory planner chooses it)."""
 
     def __post_init__(self):
@@ -79,7 +79,7 @@ class Algorithm:
         """The (rows, cols) this grid algorithm runs on over `world` ranks when none is given."""
         if self.default_grid is not None:
             return _load(self.default_grid)(world, h, h_kv)
-        from ..comm import choose_grid  # noqa: PLC0415 (reading rows imports no torch)
+        from ..cp_grid import choose_grid  # noqa: PLC0415 (reading rows imports no torch)
         return choose_grid(world, h=h, h_kv=h_kv)
 
     @property

@@ -2,7 +2,7 @@
 Approach for Long Context Generative AI*) and LoongTrain (Gu et al. 2024, *LoongTrain: Efficient Training of
 Long-Sequence LLMs with Head-Context Parallelism*), TransformerEngine's `cp_comm_type=a2a+p2p`.
 
-The P ranks form an R x C grid (comm.CPGrid; `--cp-grid RxC`): C = U consecutive ranks run the Ulysses
+The P ranks form an R x C grid (cp_grid.CPGrid; `--cp-grid RxC`): C = U consecutive ranks run the Ulysses
 all-to-all over heads among themselves (`ulysses.py`: inside a node, where all-to-all is cheap), and the R = P / U
 ranks with the same index in their group run the zigzag ring (`ring.py`) across the groups, on the head-sharded
 tensors. Tokens are zigzag over the P ranks, so group g (ranks gU .. gU + U - 1) holds chunks gU .. gU + U - 1 and
@@ -31,7 +31,8 @@ K = k_0 + .. + k_{U-1}, as in `ulysses.py`; n' = b * U * s * k_j * d, acc = 4; 8
 from __future__ import annotations
 
 
-from ..comm import CommStats, CPGrid, get_grid
+from ..comm import CommStats
+from ..cp_grid import CPGrid, get_grid
 from .ulysses import HeadsPlan, check_heads, run_heads
 
 MAX_ULYSSES = 8

@@ -1,6 +1,7 @@
 """torch.distributed as comm.py sees it, for one rank replayed in one process (bench/rank_replay.py).
 
-`comm.py` is the only module of the algorithms that calls torch.distributed (`comm.dist`, `comm._ALL_GATHER`).
+`comm.py` is the only module of the algorithms that calls torch.distributed (`comm.dist`, `comm._ALL_GATHER`; cp_grid.py
+builds its process groups through `comm.dist` too).
 `patched(d)` swaps both for `d` while an algorithm runs, so everything above the wire runs unchanged: the
 algorithm's kernels, merges, casts and accumulations, and comm.py's own packing (`Ring`'s contiguous copies and
 receive buffers, `all_to_all`'s byte packing, `reduce_at_owner`'s casts and sum, `CPGrid`'s bookkeeping).

@@ -29,10 +29,10 @@ import torch.distributed as dist
 
 import megatron_cp_plugin as mcp
 from megatron_cp_plugin.algos import registry
-from megatron_cp_plugin import comm
+from megatron_cp_plugin import cp_grid
 from megatron_cp_plugin.algos.allgather import GROUPED_MIN_P
 from megatron_cp_plugin.algos.ring import round_size
-from megatron_cp_plugin.comm import group_chunks
+from megatron_cp_plugin.cp_grid import group_chunks
 from megatron_cp_plugin.bench.anchors import Unavailable, builders
 from megatron_cp_plugin.bench._common import (FLOP_FORMULA, GiB, attention_flop, gather_max, init_distributed,
                                               not_fitting, time_ms, write_report)
@@ -86,7 +86,7 @@ def attention_need(algo: str, S: int, P: int, *, h: int, hk: int, d: int, elem: 
                  ring's terms on the head shards across its R groups
       attention2d-no  R x C grid: K, V row-major (2K), Q gathered in the row (CQ, none at C = 1), K, V in the
                  column (2RK, none at R = 1), fp32 partials (C (Qa + L)), a kernel call over n chunks
-                 (comm.group_chunks) and AttnFix's all-to-all (2 C (Qa + L)); backward Q, dO, D, lse (2CQ + 2CL),
+                 (cp_grid.group_chunks) and AttnFix's all-to-all (2 C (Qa + L)); backward Q, dO, D, lse (2CQ + 2CL),
                  K, V, dq and dK, dV partials (C Qa + 2R Ka), then a call over n chunks, the dq reduction (2C Qa)
                  or the dK, dV one (4RK, or 2RK + 2Ka)
       attention2d-o   the column's K, V chunks (2RK), Q in flight, fp32 o accumulators own, in hand, arriving,
@@ -174,7 +174,7 @@ def attention_need(algo: str, S: int, P: int, *, h: int, hk: int, d: int, elem: 
         travel = 0 if R == 1 else 4 * K if R == 2 else 4 * Ka   # dK, dV arriving and sent (R = 2: in the input dtype)
         # batched passes (attention2d_o.batch_cap chunks a call, > 1 only for small chunks): the stacked column,
         # a call's repeated Q block, output and lse, and backward its repeated Q, dO, O, lse and gradients
-        m = comm.batch_chunks(R, b * s, group_tokens) if R > 1 and C > 1 else 1
+        m = cp_grid.batch_chunks(R, b * s, group_tokens) if R > 1 and C > 1 else 1
         stack = 2 * R * K if m > 1 else 0
         batched = stack + m * (4 * Q + 2 * K + L) + Qa if m > 1 and C > 2 else 0
         saved = 2 * K + Q + L

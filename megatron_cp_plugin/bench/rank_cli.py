@@ -140,7 +140,7 @@ def main(argv=None):
     p.add_argument("--algos", nargs="+", default=list(ALGOS))
     p.add_argument("--grids", nargs="+", default=["square", "rect"], help="Attention2D: square, rect or RxC")
     p.add_argument("--group-tokens", type=int, default=None,
-                   help="Attention2D's cap on one grouped kernel call's query tokens (default: comm.GROUP_TOKENS' "
+                   help="Attention2D's cap on one grouped kernel call's query tokens (default: cp_grid.GROUP_TOKENS' "
                         "rule, what a run gets where the memory planner finds room)")
     p.add_argument("--rank", type=int, default=None, help="replay this rank (default: the slowest, found by "
                    "running every rank once at the first length)")
@@ -179,7 +179,7 @@ def main(argv=None):
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
     header = (f"rank_replay: one rank's local work per algorithm, replayed on one {name} (communication replaced by "
               f"on-device copies, wire {a.wire}); b=1 d={d} causal {dtype}; Attention2D's group cap "
-              f"{a.group_tokens or 'by comm.GROUP_TOKENS rule'}. {FLOP_FORMULA}. "
+              f"{a.group_tokens or 'by cp_grid.GROUP_TOKENS rule'}. {FLOP_FORMULA}. "
               "ideal = one-device fwd+bwd / P. "
               f"ops: aten ops that compute per fwd+bwd (each attention call counts once).")
     for hk in a.kv_heads:

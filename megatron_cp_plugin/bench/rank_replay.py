@@ -23,7 +23,7 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .. import comm
+from .. import cp_grid
 from ..cost import compute as cost_compute
 from ..cost import HARDWARE, Problem, predict
 from ..algos.allgather import GROUPED_MIN_P, allgather_attention
@@ -48,7 +48,7 @@ def grids(P: int, which) -> list[tuple[int, int]]:
     r = int(round(P ** 0.5))
     for w in which:
         if w == "square":
-            g = (r, r) if r * r == P else comm.choose_grid(P)
+            g = (r, r) if r * r == P else cp_grid.choose_grid(P)
         elif w == "rect":
             g = (2 * r, P // (2 * r)) if r * r == P and r % 2 == 0 else (P, 1)
         else:
@@ -71,7 +71,7 @@ class RankReplay:
         self.do, self.scale = do, q.shape[-1] ** -0.5
         self.d = ReplayDist(P, rank, source, backend="nccl" if q.is_cuda else "gloo", wire=wire)
         with patched(self.d):
-            self.group = (comm.CPGrid(self.d.WORLD, *grid, group_tokens=group_tokens) if algo in GRID_ALGOS
+            self.group = (cp_grid.CPGrid(self.d.WORLD, *grid, group_tokens=group_tokens) if algo in GRID_ALGOS
                           else self.d.WORLD)
 
     def __call__(self, backward=True, mark=None):

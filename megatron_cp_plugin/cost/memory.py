@@ -56,7 +56,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .. import comm
+from .. import cp_grid
 from ..algos import registry
 from . import memory_terms as terms_mod
 from .memory_terms import layer_bytes, moments
@@ -106,7 +106,7 @@ class Model:
     grid: tuple[int, int] | None = None
     """--cp-grid (rows, cols) of a grid algorithm; None, or one of other than CP ranks: the registry's default."""
     group_tokens: int | None = None
-    """--cp-group-tokens: Attention2D's cap on the query tokens of one grouped kernel call (comm.GROUP_TOKENS);
+    """--cp-group-tokens: Attention2D's cap on the query tokens of one grouped kernel call (cp_grid.GROUP_TOKENS);
     None: its default rule (`estimate`), or the smallest cap where the rule's calls do not fit (`fit`)."""
     rope_fused: bool = True
     """RoPE runs fused (kernels/rope.py; training/config.rope_fusion_on: GPU runs unless --no-rope-fusion or
@@ -213,7 +213,7 @@ class Estimate:
     grouped: bool = False
     """Some algorithm planned makes grouped kernel calls (the registry's `grouped`: Attention2D), at CP > 1."""
     group_tokens: int | None = None
-    """The group cap planned: --cp-group-tokens, or the smallest of comm.GROUP_TOKENS where the default rule's
+    """The group cap planned: --cp-group-tokens, or the smallest of cp_grid.GROUP_TOKENS where the default rule's
     calls do not fit (`fit`); None: the default rule."""
 
     @property
@@ -290,13 +290,13 @@ def estimate(m: Model, layout: Layout, gpus: int, fused_adam: bool | None = None
 
 def fit(m: Model, layout: Layout, gpus: int, gpu_mem_gib: float, headroom_gib: float = HEADROOM_GIB,
         fused_adam: bool | None = None) -> Estimate:
-    """`estimate` at the group cap the run gets: m.group_tokens where given; else comm.GROUP_TOKENS' default rule
+    """`estimate` at the group cap the run gets: m.group_tokens where given; else cp_grid.GROUP_TOKENS' default rule
     where its peak plus `headroom_gib` fits `gpu_mem_gib`, and the smallest cap where that does not fit and needs
     less. Only the Attention2D algorithms make grouped calls: for the others the rule's estimate is taken."""
     est = estimate(m, layout, gpus, fused_adam)
     if m.group_tokens is not None or not est.grouped or est.total / GiB + headroom_gib <= gpu_mem_gib:
         return est
-    low = estimate(replace(m, group_tokens=comm.GROUP_TOKENS[-1]), layout, gpus, fused_adam)
+    low = estimate(replace(m, group_tokens=cp_grid.GROUP_TOKENS[-1]), layout, gpus, fused_adam)
     return low if low.total < est.total else est
 
 

@@ -37,10 +37,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .. import comm
+from .. import cp_grid
 from ..algos.allgather import GROUPED_MIN_P
 from ..algos.ring import round_size
-from ..comm import group_chunks
+from ..cp_grid import group_chunks
 
 FSDP_MIN_UNIT = 1_000_000_000
 """Megatron-FSDP's smallest communication unit in elements (megatron_fsdp.py: max(1e9, 2 x a unit's elements))."""
@@ -65,7 +65,7 @@ class Shape:
     grid: tuple[int, int] = (1, 1)
     """(R, C) of a grid algorithm (Attention2D's rows x cols; ulysses-ring's rings x all-to-all size), else (1, 1)."""
     group_tokens: int | None = None
-    """Attention2D's cap on the query tokens of one grouped kernel call (comm.GROUP_TOKENS; None: its default rule)."""
+    """Attention2D's cap on the query tokens of one grouped kernel call (cp_grid.GROUP_TOKENS; None: its default rule)."""
 
     @property
     def Q(self) -> int:
@@ -208,7 +208,7 @@ def ulysses(sh: Shape) -> Terms:
 
 def attention2d_no(sh: Shape) -> Terms:
     """attention2d.py. saved: (q, row-major K, V stacked, o, lse): 2K for the fused QKV output and the rotated k,
-    -(a + g) d e per token. Its kernel calls take n chunks of Q and of K, V at once (comm.group_chunks, the
+    -(a + g) d e per token. Its kernel calls take n chunks of Q and of K, V at once (cp_grid.group_chunks, the
     column-major placement's; the node-aware placement's n = 1 is counted as that: an over-count there). forward:
     the stacked K, V (2K), Q gathered in the row (gq = CQ, none at C = 1), K, V in the column (gkv = 2RK, none at
     R = 1), each replaced by its interleaved groups (n > 1: the larger one beside its copy, max(gq, gkv)), the fp32
@@ -244,15 +244,15 @@ def attention2d_o(sh: Shape) -> Terms:
     Batched passes (m = the chunks a call takes, `attention2d_o.batch_cap`; m > 1 only where chunks are small): the
     column's chunks stacked beside the received ones while they are copied (2RK), a call's repeated Q block and its
     output and lse (m (2Q + L)) forward; backward its repeated Q, dO, O and lse and its gradients (m (4Q + 2K + L))
-    and the dQ sum (Qa). Shards that `comm.overlap_pays` does not take run Attention2D-NO: its terms."""
-    if not comm.overlap_pays(sh.tokens):
+    and the dQ sum (Qa). Shards that `cp_grid.overlap_pays` does not take run Attention2D-NO: its terms."""
+    if not cp_grid.overlap_pays(sh.tokens):
         return attention2d_no(sh)
     R, C = sh.grid
     Q, K, L, Qa, Ka = sh.Q, sh.K, sh.L, sh.Qa, sh.Ka
     qn = 0 if C == 1 else 1 if C == 2 else 2
     no = 1 if C == 1 else 3 if C == 2 else 4
     nq = 1 if C == 1 else 3 if C == 2 else 4
-    m = comm.batch_chunks(R, sh.tokens, sh.group_tokens) if R > 1 and C > 1 else 1
+    m = cp_grid.batch_chunks(R, sh.tokens, sh.group_tokens) if R > 1 and C > 1 else 1
     stack = 2 * R * K if m > 1 else 0
     travel = 0 if R == 1 else 4 * K if R == 2 else 4 * Ka
     fwd = 2 * R * K + qn * Q + no * (Qa + L) + max(Q + Qa, stack + m * (2 * Q + L))
@@ -280,7 +280,7 @@ def algorithms(flag: str, heads: int, cp: int, grid_given: bool = False) -> tupl
 
 def grid_of(algo: str, cp: int, heads: int, groups: int, grid: tuple[int, int] | None) -> tuple[int, int]:
     """(R, C) of `algo` on cp ranks: --cp-grid where it has cp ranks, else the registry's default (Attention2D's
-    comm.choose_grid, ulysses-ring's default_grid); ulysses: one all-to-all (1, P); others (1, 1)."""
+    cp_grid.choose_grid, ulysses-ring's default_grid); ulysses: one all-to-all (1, P); others (1, 1)."""
     from ..algos import registry
     if algo == "ulysses":
         return 1, cp

@@ -31,7 +31,8 @@ from dataclasses import dataclass
 
 from ..algos import registry
 from ..algos.ring import round_size
-from ..comm import attention2d_bytes, choose_grid, grid_rank, group_chunks, kv_moves, overlap_pays, wire_bytes
+from ..comm import wire_bytes
+from ..cp_grid import attention2d_bytes, choose_grid, grid_rank, group_chunks, kv_moves, overlap_pays
 from . import compute as cost_compute
 from .hardware import (ADD_BYTES, ATTNFIX_BYTES, HARDWARE, MERGE_BYTES, Hardware, check_int, overlapped, pairs_link,
                        phase_link)
@@ -58,11 +59,11 @@ class Problem:
     causal: bool = True
     """Causal mask (half the FLOPs; the layouts balance it)."""
     grid: tuple[int, int] | None = None
-    """Attention2D grid (R, C), R * C == P; None: comm.choose_grid's, as at run time."""
+    """Attention2D grid (R, C), R * C == P; None: cp_grid.choose_grid's, as at run time."""
     node_aware: bool = True
     """Attention2D places grid rows inside a node (CPGrid(..., gpus_per_node)) when C divides GPUs per node."""
     group_tokens: int | None = None
-    """Attention2D's cap on one grouped kernel call's query tokens (comm.GROUP_TOKENS); None: its default rule, as at
+    """Attention2D's cap on one grouped kernel call's query tokens (cp_grid.GROUP_TOKENS); None: its default rule, as at
     run time without --cp-group-tokens. Every measured set ran shards whose groups both caps give alike."""
     backward: bool = True
     """Training (forward + backward) or forward only (prefill): what choose_algo minimises."""
@@ -218,7 +219,7 @@ def attention2d_cost(algo: str, pb: Problem, hw: Hardware, rank: int | None = No
     c1, c1b = F / (R * C) / hw.fwd_tflops, B / (R * C) / hw.bwd_tflops     # one (Q chunk, KV chunk) block
     mg = n_q * MERGE_BYTES / hw.mem_bw
     add_q, add_kv = n_q * ADD_BYTES / hw.mem_bw, 2 * n_kv * ADD_BYTES / hw.mem_bw
-    # Forward bytes (attention2d.py / attention2d_o.py; comm.attention2d_bytes).
+    # Forward bytes (attention2d.py / attention2d_o.py; cp_grid.attention2d_bytes).
     q_g = (C - 1) * n_q * e                       # Q gathered in the row
     kv_g = (R - 1) * 2 * n_kv * e                 # K, V gathered in the column
     overlap = algo == "attention2d-o" and overlap_pays(pb.batch * (pb.seq_len // P))   # else -O runs -NO
@@ -292,7 +293,7 @@ def attention2d_cost(algo: str, pb: Problem, hw: Hardware, rank: int | None = No
                 s_t = max(s_t, chain(per, 2 * n_kv * w_r, 0.0))
             steps.append(s_t)
         bwd = t0 + sum(steps) + tr(n_q * acc) + tc(2 * n_kv * w_r) + perm_t
-    # The byte totals are comm.attention2d_bytes' (the one formula the counters are tested against); the
+    # The byte totals are cp_grid.attention2d_bytes' (the one formula the counters are tested against); the
     # per-phase terms above only time them.
     fwd_bytes, bwd_bytes = attention2d_bytes(seq_len=pb.seq_len, world=P, rows=R, cols=C, b=pb.batch, h=pb.heads,
                                              h_kv=pb.kv_heads, d=pb.head_dim, elem=e, acc=acc,
@@ -334,7 +335,7 @@ def _seconds(algo: str, pb: Problem, hw: Hardware) -> float:
 def best_grid(algo: str, problem: Problem, hardware: Hardware) -> tuple[int, int]:
     """Attention2D's grid (R, C), R * C = P, with the smallest predicted time for `algo` on `hardware` (fwd +
     bwd, or fwd when not problem.backward): the real bytes of each grid timed over the links they cross, not
-    the bytes alone (comm.choose_grid, used where no hardware is known). Grids within GRID_TIME_TIE of the
+    the bytes alone (cp_grid.choose_grid, used where no hardware is known). Grids within GRID_TIME_TIE of the
     fastest count as equally fast, and of those the one sending the fewest bytes wins: where the layer is
     compute-bound every grid predicts nearly the same time (P = 16 on 8-GPU IB nodes, 128k: all five grids
     within 1.5%), and the model is not that precise (its NVLink errors are 2-20%). problem.grid, when set, is

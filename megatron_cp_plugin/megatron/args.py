@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 
 from ..algos import registry
-from ..comm import GROUP_TOKENS, check_group_tokens
+from ..cp_grid import GROUP_TOKENS, check_group_tokens
 from ..cost import HARDWARE, Problem, best_grid, choose_algo
 
 DEFAULT_HARDWARE = "h200-nvlink"
@@ -59,11 +59,11 @@ class CPConfig:
     """Context-parallel group size (Megatron's --context-parallel-size)."""
     grid: tuple[int, int] | None = None
     """Attention2D grid (rows, cols), rows * cols == cp_size; None: the cost model's fastest when it chose the
-    algorithm (auto, attention2d), else comm.choose_grid's (the square or byte-minimising one)."""
+    algorithm (auto, attention2d), else cp_grid.choose_grid's (the square or byte-minimising one)."""
     gpus_per_node: int | None = None
     """GPUs per node, for Attention2D's node-aware placement; None: column-major placement."""
     group_tokens: int | None = None
-    """Attention2D's cap on the query tokens of one grouped kernel call (comm.GROUP_TOKENS); None: its default rule
+    """Attention2D's cap on the query tokens of one grouped kernel call (cp_grid.GROUP_TOKENS); None: its default rule
     (megatron-cp-pretrain's memory check sets the smallest cap where the rule's calls do not fit)."""
     seq_length: int | None = None
     """Full sequence length, checked against the layout (2 * cp_size for zigzag, cp_size for cyclic)."""

@@ -21,7 +21,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
 from ..algos import context_parallel_attention, registry
-from ..comm import get_grid
+from ..cp_grid import get_grid
 from ..sharding import document_offsets
 
 
@@ -29,7 +29,7 @@ class CPCoreAttention(MegatronModule):
     """Exact context-parallel attention over `pg_collection.cp` with `algo` (see megatron_cp_plugin.ALGORITHMS).
 
     grid: (rows, cols) for Attention2D (None: `choose_grid`); gpus_per_node: node-aware grid placement;
-    group_tokens: Attention2D's cap on one grouped kernel call's query tokens (None: comm.GROUP_TOKENS' rule).
+    group_tokens: Attention2D's cap on one grouped kernel call's query tokens (None: cp_grid.GROUP_TOKENS' rule).
     """
 
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,

@@ -24,7 +24,7 @@ def get_gpt_layer_spec(algo: str, *, grid: tuple[int, int] | None = None, gpus_p
                        use_te: bool | None = None) -> ModuleSpec:
     """A GPT TransformerLayer spec whose self-attention core is `CPCoreAttention(algo, grid, ...)`.
 
-    group_tokens: Attention2D's cap on one grouped kernel call's query tokens (None: comm.GROUP_TOKENS' rule).
+    group_tokens: Attention2D's cap on one grouped kernel call's query tokens (None: cp_grid.GROUP_TOKENS' rule).
     use_te: TransformerEngine's fused linear and norm layers (None: when transformer-engine imports);
     otherwise Megatron's local ones. The other keywords are get_gpt_layer_*_spec's.
     """
