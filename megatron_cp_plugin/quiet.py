@@ -19,6 +19,7 @@ FALLBACK_MESSAGES = (
     "Transformer Engine and Apex are not installed",       # megatron.core.optimizer, fsdp mixed precision
     "Apex is not installed",                               # megatron.core.models.backends, gpt_layer_specs
     "full scope is deprecated",                            # megatron.core.transformer config (CUDA graphs)
+    "absl.logging is not installed",                       # megatron.core.hyper_comm_grid (core 0.17 on)
 )
 """Warning texts (prefixes) that only announce a fallback or a deprecation of Megatron's, never a fault."""
 

@@ -82,13 +82,20 @@ def test_packed_batches_are_sharded_per_document():
                                       torch.tensor([8]), cp_group=_CPGroup(1))
     assert list(mine) == ["tokens", "labels"] and mine["labels"].tolist() == [[3, 4, 5, 6, 10, 11]]
     assert params.qkv_format == "thd" and params.cu_seqlens_q.tolist() == [0, 8, 12] and params.max_seqlen_q == 8
+    # core_v0.17's get_batch squeezes cu_seqlens to [n] before its packed branch: the same shard
+    mine17, params17 = lm.shard_thd_batch({"tokens": batch["tokens"], "labels": batch["labels"]}, args, cu[0], None,
+                                          torch.tensor([8]), cp_group=_CPGroup(1))
+    assert mine17["labels"].tolist() == mine["labels"].tolist() and params17.cu_seqlens_q.tolist() == [0, 8, 12]
     with pytest.raises(ValueError, match=r"cu_seqlens: document 1 .*length 2, not a multiple of 4"):
         lm.shard_batch(dict(batch, cu_seqlens=torch.tensor([[0, 8, 10, 12]])), args, cp_group=_CPGroup(0))
 
 
 def test_a_patch_per_verified_release_ships_with_the_package():
+    from megatron_cp_plugin.megatron_lm.patching import VERIFIED, supported_lines  # noqa: PLC0415
+
     have = patches()
-    assert (0, 16, 1) in have and (0, 19, 0) in have
+    assert {(0, 16, 1), (0, 17, 1), (0, 18, 2), (0, 19, 0)} <= set(have) and set(VERIFIED) <= set(have)
+    assert supported_lines() == sorted({v[:2] for v in VERIFIED})
     for p in have.values():
         text = p.read_text()
         assert "megatron_cp_plugin.megatron import lm as cp_plugin" in text and "cp_plugin.shard_batch" in text
@@ -153,6 +160,27 @@ def test_patch_refuses_a_release_it_was_not_made_for_unless_forced(toy_checkout,
         assert "Megatron-LM 0.20.0" in err and "core_v0.16.1" in err and "--force" in err, err
     assert (tree / "pretrain_gpt.py").read_text() == "x = 1\n"
     assert main(["patch", str(tree), "--force"]) == 0 and (tree / "pretrain_gpt.py").read_text() == "x = 2\n"
+
+
+def test_a_patch_not_yet_verified_on_gpus_is_used_only_when_forced(toy_checkout, capsys, monkeypatch):
+    """A release line whose patch ships but has not passed the GPU parity harness (patching.VERIFIED) is refused
+    with a line that names that patch and --force; forced, its own patch is the one applied."""
+    from megatron_cp_plugin.megatron_lm import patching  # noqa: PLC0415
+    from megatron_cp_plugin.megatron_lm.cli import main  # noqa: PLC0415
+
+    tree, release = toy_checkout
+    (patching.patch_dir() / "megatron-lm-core_v0.17.1-context-parallel-algo.patch").write_text(
+        "--- a/pretrain_gpt.py\n+++ b/pretrain_gpt.py\n@@ -1 +1 @@\n-x = 1\n+x = 3\n")
+    monkeypatch.setattr(patching, "VERIFIED", ((0, 16, 1),))
+    release(17, 1)
+    assert patching.supported_lines() == [(0, 16)]
+    assert main(["patch", str(tree)]) == 2
+    err = capsys.readouterr().err
+    assert "core_v0.17.1 ships" in err and "not been run on GPUs" in err and "--force" in err, err
+    assert (tree / "pretrain_gpt.py").read_text() == "x = 1\n"
+    assert main(["patch", str(tree), "--force"]) == 0 and (tree / "pretrain_gpt.py").read_text() == "x = 3\n"
+    monkeypatch.setattr(patching, "VERIFIED", ((0, 16, 1), (0, 17, 1)))
+    assert main(["check", str(tree)]) == 0                         # verified: taken without --force
 
 
 def test_harness_parses_megatron_log_lines_and_fails_past_the_tolerance():
@@ -234,8 +262,13 @@ def test_dry_run_refuses_a_missing_checkout(tmp_path):
 def patched(tmp_path_factory):
     from megatron_cp_plugin.megatron_lm.patching import apply_patch, copy_checkout  # noqa: PLC0415
 
+    from megatron_cp_plugin.megatron_lm.patching import release_of  # noqa: PLC0415
+
     tree = copy_checkout(MEGATRON_LM, tmp_path_factory.mktemp("mlm") / "Megatron-LM")
-    apply_patch(tree)
+    # forced: the CPU checks of a patch not yet verified on GPUs (patching.VERIFIED) run too; the patch applied
+    # must still be the one made for the checkout's release line
+    patch = apply_patch(tree, force=True)
+    assert f"core_v{'.'.join(map(str, release_of(tree)[:2]))}." in patch.name, patch.name
     return tree
 
 
@@ -278,7 +311,9 @@ def test_every_config_parses_with_megatron_lms_own_parser(patched):
     assert r.returncode == 0, r.stderr[-3000:]
     lines = r.stdout.strip().splitlines()
     assert len(lines) == len(CONFIGS) + 1
-    assert lines[-1] in ("fsdp True no such flag", "fsdp True torch.float32"), lines[-1]
+    # core_v0.16: no such flag; core_v0.17 and 0.18 keep the name until validate_args maps it; core_v0.19 maps it in
+    # parse_args
+    assert lines[-1] in ("fsdp True no such flag", "fsdp True fp32", "fsdp True torch.float32"), lines[-1]
 
 
 @needs_checkout

@@ -1,7 +1,7 @@
 """The hooks our Megatron-LM patches call from `pretrain_gpt.py` / `gpt_builders.py` (patches/).
 
 Each patch adds only calls into this module, so that what the plugin does inside Megatron-LM lives here, is
-tested here, and is the same for every Megatron-LM release we patch (core_v0.16.x and core_v0.19.x today):
+tested here, and is the same for every Megatron-LM release we patch (core_v0.16.x to core_v0.19.x):
 
 - `add_args(parser)`: the plugin's flags, chained after Megatron's own `extra_args_provider`;
 - `show_help(provider)`: `pretrain_gpt.py --help` lists the plugin's flags (Megatron's in-process-restart
@@ -11,7 +11,8 @@ tested here, and is the same for every Megatron-LM release we patch (core_v0.16.
   `args.context_parallel_algo` (and saved with checkpoints), so later calls never consult the cost model;
 - `layer_spec(args)`, `install_rope(model, args, ...)`, `shard_batch(batch, args, cp_group)`: the model
   and the batch in the algorithm's layout (packed THD batches of core_v0.19 included);
-- `shard_thd_batch(batch, args, cu_seqlens, cu_seqlens_padded, max_seqlen)`: core_v0.16's packed branch.
+- `shard_thd_batch(batch, args, cu_seqlens, cu_seqlens_padded, max_seqlen)`: core_v0.16's and 0.17's packed
+  branch (core_v0.17 passes cu_seqlens squeezed to [n]; 0.18 and 0.19 keep it in the batch, as shard_batch takes).
 """
 from __future__ import annotations
 

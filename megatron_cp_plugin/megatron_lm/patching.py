@@ -1,10 +1,11 @@
 """Megatron-LM checkouts: which of our patches fits, applying, checking and reverting it, and the flags a
 machine without TransformerEngine / Apex needs. The command line is megatron_lm/cli.py.
 
-The patches live in the repository's top-level patches/ (one per Megatron-LM release line we have verified:
-core_v0.16.1, core_v0.19.0); the wheel ships a copy inside this package (setup.py's build step). A checkout of
-another release line is refused, naming the releases we have, unless forced; forced, it gets the first patch
-that `git apply --check`s, nearest release first.
+The patches live in the repository's top-level patches/ (one per Megatron-LM release line: core_v0.16.1,
+core_v0.17.1, core_v0.18.2, core_v0.19.0); the wheel ships a copy inside this package (setup.py's build step). A
+release line is supported once its patch has passed the loss-parity harness on GPUs (`VERIFIED`). A checkout of any
+other line is refused, naming the releases we have and saying whether a patch for its line ships unverified, unless
+forced; forced, it gets the first patch that `git apply --check`s, nearest release first.
 """
 from __future__ import annotations
 
@@ -49,6 +50,14 @@ def release_of(mlm_dir: str | Path) -> tuple[int, int, int]:
         raise ValueError(f"{info}: MAJOR / MINOR / PATCH not found") from None
 
 
+VERIFIED = ((0, 16, 1), (0, 19, 0))
+"""Releases whose patch passed `megatron-cp-megatron-lm parity` on GPUs (loss against CP = 1 for every algorithm,
+docs/megatron_lm.md): their release lines are supported. The core_v0.17.1 and core_v0.18.2 patches (2026-11-29)
+apply to their releases and were checked on a CPU (`--help`, every config through Megatron-LM's own parser; the
+plugin's megatron-core tests against megatron-core 0.17.1 and 0.18.2); their GPU parity has not run yet, so they
+are used with --force only."""
+
+
 def patches() -> dict[tuple[int, int, int], Path]:
     """Every shipped patch by the Megatron-LM release it was made on."""
     out = {}
@@ -69,14 +78,19 @@ def release_name(v: tuple[int, int, int]) -> str:
 
 
 def supported_lines() -> list[tuple[int, int]]:
-    """The (major, minor) release lines a shipped patch was made for."""
-    return sorted({v[:2] for v in patches()})
+    """The (major, minor) release lines of the shipped patches that passed the GPU parity harness (VERIFIED)."""
+    return sorted({v[:2] for v in patches() if v in VERIFIED})
 
 
 def _unsupported(mlm_dir: Path, rel: tuple[int, int, int]) -> str:
     lines = ", ".join(f"{a}.{b}.x" for a, b in supported_lines())
-    names = ", ".join(release_name(v) for v in patches())
-    return (f"MEGATRON_LM_DIR {mlm_dir} is Megatron-LM {'.'.join(map(str, rel))}; our patches were made for "
+    names = ", ".join(release_name(v) for v in patches() if v in VERIFIED)
+    mine = [release_name(v) for v in patches() if v[:2] == rel[:2]]
+    if mine:
+        return (f"MEGATRON_LM_DIR {mlm_dir} is Megatron-LM {'.'.join(map(str, rel))}; the patch made for "
+                f"{mine[0]} ships, but its loss parity against CP = 1 has not been run on GPUs yet (verified: "
+                f"{names}): pass --force to use it, or check out one of the verified releases")
+    return (f"MEGATRON_LM_DIR {mlm_dir} is Megatron-LM {'.'.join(map(str, rel))}; our patches were verified on "
             f"{names} (release lines {lines}): check out one of those, or pass --force to try the nearest "
             f"patch that applies (untested on this release)")
 
