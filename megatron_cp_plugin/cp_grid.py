@@ -12,6 +12,7 @@ import math
 from . import comm
 from .comm import wire_bytes
 
+
 def grid_position(p: int, rows: int, cols: int, row_major: bool) -> tuple[int, int]:
     """Grid position (i, j) of group rank p (see CPGrid)."""
     return (p // cols, p % cols) if row_major else (p % rows, p // rows)

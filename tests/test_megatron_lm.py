@@ -178,6 +178,8 @@ def test_a_patch_not_yet_verified_on_gpus_is_used_only_when_forced(toy_checkout,
     err = capsys.readouterr().err
     assert "core_v0.17.1 ships" in err and "not been run on GPUs" in err and "--force" in err, err
     assert (tree / "pretrain_gpt.py").read_text() == "x = 1\n"
+    assert main(["check", str(tree), "--force"]) == 1
+    assert f"patch {tree} --force` would" in capsys.readouterr().out
     assert main(["patch", str(tree), "--force"]) == 0 and (tree / "pretrain_gpt.py").read_text() == "x = 3\n"
     monkeypatch.setattr(patching, "VERIFIED", ((0, 16, 1), (0, 17, 1)))
     assert main(["check", str(tree)]) == 0                         # verified: taken without --force

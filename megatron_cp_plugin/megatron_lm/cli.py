@@ -5,9 +5,10 @@
     megatron-cp-megatron-lm revert DIR            # take our patch out again
     megatron-cp-megatron-lm parity DIR [...]      # the parity harness (megatron_lm/parity.py; needs GPUs)
 
-A release line no patch was made for (the patches: top-level patches/) is refused with the releases we have;
---force tries the nearest patch that applies. `check` exits 0 when the patch is applied, 1 when it is not but
-would apply, 2 on a refusal or error.
+A release line whose patch has not passed the parity harness on GPUs (core_v0.17, 0.18: patching.VERIFIED) is
+refused with a line saying so, and --force applies its own patch; a line no patch was made for (the patches:
+top-level patches/) is refused with the releases we have, and --force tries the nearest patch that applies.
+`check` exits 0 when the patch is applied, 1 when it is not but would apply, 2 on a refusal or error.
 """
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("megatron_lm", metavar="MEGATRON_LM_DIR")
         if verb != "revert":
             sp.add_argument("--force", action="store_true",
-                            help="a release line no patch was made for: try the nearest patch that applies")
+                            help="a release line whose patch is not yet verified on GPUs: its own patch; one no "
+                                 "patch was made for: the nearest patch that applies")
     sub.add_parser("parity", help=f"the parity harness: see `{PROG} parity --help`", add_help=False)
     return p
 
@@ -44,7 +46,8 @@ def _check(mlm: str, force: bool) -> int:
     if applied:
         print(f"{PROG}: {patch.name} is applied to {mlm}")
         return 0
-    print(f"{PROG}: {patch.name} is not applied to {mlm}; `{PROG} patch {mlm}` would apply it cleanly")
+    print(f"{PROG}: {patch.name} is not applied to {mlm}; `{PROG} patch {mlm}{' --force' if force else ''}` would "
+          "apply it cleanly")
     return 1
 
 

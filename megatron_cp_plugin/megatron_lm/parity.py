@@ -254,7 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--runs-per-gpu", type=int, default=4, help="ranks of different runs sharing one GPU (the model is small; "
       "start-up, ~45 s of imports and initialisation per run on an H200 host, dominates)")
     a("--out", default=None, help="also write the report (markdown) here")
-    a("--force", action="store_true", help="a Megatron-LM release no patch was made for: try the nearest that applies")
+    a("--force", action="store_true",
+      help="a Megatron-LM release whose patch is not yet verified on GPUs (core_v0.17, 0.18: its own patch), or one "
+           "no patch was made for (the nearest that applies)")
     return p
 
 
