@@ -226,7 +226,7 @@ def run_command(argv) -> str:
     (`sys.argv[0]` is the path of bench/__main__.py under `python -m`) and without its output paths (--out,
     --fit-out: where that machine wrote, not what it measured)."""
     argv = list(argv.split() if isinstance(argv, str) else argv)
-    if argv and (argv[0].endswith(("__main__.py", "megatron-cp-bench")) or argv[0] == "-m"):
+    if argv and argv[0].endswith(("__main__.py", "megatron-cp-bench")):
         argv[0] = "megatron-cp-bench"
     out, skip = [], False
     for word in argv:
