@@ -26,6 +26,12 @@ import time
 BEAT_S = 0.5          # heartbeat period of a rank's guard thread
 POLL_S = 0.2          # the launcher's polling period
 START_S = 120.0       # a rank gets at least this long to import torch and start beating (busy machines)
+EXIT_WAIT_S = 5.0
+"""How long a rank's failure (an exit status) waits to be named while a peer is already exiting, unreaped: the
+peer may be the cause (killed) and the failure its consequence. On one H200 (2026-11-29, gpu_tests.sh) a rank
+SIGKILLed during a save was still unreaped, freeing its GPU context, when its peer's gloo broadcast had failed on
+the closed socket and the peer had exited with status 1: the job was blamed on the peer."""
+PF_EXITING = 0x4      # /proc/<pid>/stat flags: the process is in exit (its files closed, or being closed)
 
 
 def guard_rank(beats, rank: int, parent: int) -> None:
@@ -105,6 +111,23 @@ def state(pid: int) -> str:
         return "?"
 
 
+def dying(pid: int) -> str | None:
+    """"SIGKILL" where a SIGKILL is pending for pid (it dies by it, once out of an uninterruptible wait such as a
+    checkpoint writer's fsync), "exiting" where it is in exit already (PF_EXITING: a process that held a GPU context
+    can take seconds there, its sockets closed first), else None (alive, gone, or not Linux)."""
+    kill_bit = 1 << (signal.SIGKILL - 1)
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(("SigPnd:", "ShdPnd:")) and int(line.split()[1], 16) & kill_bit:
+                    return "SIGKILL"
+        with open(f"/proc/{pid}/stat") as f:
+            flags = int(f.read().rsplit(")", 1)[1].split()[6])
+    except (OSError, IndexError, ValueError):
+        return None
+    return "exiting" if flags & PF_EXITING else None
+
+
 def adopt_orphans() -> None:
     """Make this process the reaper of its descendants' orphans (PR_SET_CHILD_SUBREAPER): a process a rank
     forked (a checkpoint writer) whose rank dies stays our descendant, so kill_descendants still finds it."""
@@ -168,6 +191,7 @@ def supervise(procs, beats, timeout: float, prog: str) -> int:
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     start = last = time.monotonic()
+    first_failure, seen_failed = 0.0, []       # ranks in the order their failures were seen
     try:
         while True:
             time.sleep(POLL_S)
@@ -182,21 +206,31 @@ def supervise(procs, beats, timeout: float, prog: str) -> int:
             codes = [p.exitcode for p in procs]
             if cause is None and all(c == 0 for c in codes):
                 return 0
-            failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+            seen_failed += [r for r, c in enumerate(codes) if c not in (None, 0) and r not in seen_failed]
+            failed = list(seen_failed)
             stale = [r for r, p in enumerate(procs) if codes[r] is None and (
                      now - max(beats[r], start) > (timeout if beats[r] else max(timeout, START_S)))]
             if cause is None and failed:
-                # A peer's collective may time out first: a frozen rank (beat missing for longer than a loaded
-                # machine delays a live one's, or stopped) is the cause, then a killed one, then the first.
-                frozen = [r for r, p in enumerate(procs) if codes[r] is None and beats[r]
+                # A peer's collective may time out first, or fail on the socket of a rank being killed: a frozen
+                # rank (beat missing for longer than a loaded machine delays a live one's, or stopped) is the
+                # cause, then a killed one (reaped, or SIGKILL pending), then one in exit (waited for up to
+                # EXIT_WAIT_S, to be reaped and named with its signal), then the first seen to fail.
+                first_failure = first_failure or now
+                ending = {r: dying(p.pid) for r, p in enumerate(procs) if codes[r] is None}
+                frozen = [r for r, p in enumerate(procs) if codes[r] is None and beats[r] and not ending[r]
                           and (now - beats[r] > max(4 * BEAT_S, min(5.0, timeout / 2)) or state(p.pid) in "Tt")]
                 killed = [r for r in failed if codes[r] < 0]
+                pending = [r for r, why in ending.items() if why == "SIGKILL"]
                 if frozen:
                     cause = _why(frozen[0], procs[frozen[0]], beats[frozen[0]], now, timeout)
                 elif killed:
                     r = killed[0]
                     name = signal.Signals(-codes[r]).name if -codes[r] in signal.valid_signals() else -codes[r]
                     cause = f"rank {r} (pid {procs[r].pid}) was killed by {name}"
+                elif pending:
+                    cause = f"rank {pending[0]} (pid {procs[pending[0]].pid}) was killed by SIGKILL"
+                elif any(ending.values()) and now - first_failure < EXIT_WAIT_S:
+                    continue
                 else:
                     cause = f"rank {failed[0]} (pid {procs[failed[0]].pid}) failed with exit status {codes[failed[0]]}"
             elif cause is None and stale:
