@@ -6,9 +6,17 @@
 #   OUT=dir bash scripts/gpu_tests.sh [pytest args]        (TESTS="tests/a.py tests/b.py": those files only)
 #   SHARD=1/2 ... SHARD=2/2: two sets of test files of about equal time, so that the suite fits two calls of under
 #   10 minutes (the whole suite took 665-700 s on 2 x H200 on 2026-11-26: about 250-290 s + 410 s in these two sets)
+#   REST="dir ...": only what the earlier runs whose OUT dirs are named did not finish or failed (their running.txt
+#   and failures.txt; tests/conftest.py MCP_DONE_RUNS), e.g. after a call cut by LIMIT on one H200, where the suite
+#   needs three calls: carry the first call's OUT back (an ignored folder such as dbg/) and name it here
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results}; mkdir -p "$OUT"
+for d in ${REST:-}; do                    # this run's logs are emptied below: an earlier run's must be elsewhere
+  if [ "$(realpath "$d")" = "$(realpath "$OUT")" ]; then
+    echo "gpu_tests: REST names OUT ($OUT), whose logs this run starts afresh; give this run another OUT" >&2; exit 2
+  fi
+done
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site
@@ -42,6 +50,7 @@ PY
 # pytest-timeout's signal cannot interrupt it). --maxschedchunk 1: xdist hands each worker one test at a time, so
 # that no long test waits queued behind another worker's while the other workers idle at the end.
 export MCP_FAILURE_LOG="$OUT/failures.txt" MCP_RUNNING_LOG="$OUT/running.txt"
+export MCP_DONE_RUNS="${REST:-}"
 # The tests that took 20 s or more start first, longest first (tests/conftest.py; MCP_LONG_TESTS= turns it off).
 export MCP_LONG_TESTS=${MCP_LONG_TESTS-scripts/test_long.tsv}
 : > "$MCP_FAILURE_LOG"; : > "$MCP_RUNNING_LOG"

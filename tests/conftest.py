@@ -31,13 +31,47 @@ def pytest_runtest_logreport(report):
             f.write("".join(f"    {ln}\n" for ln in report.longreprtext[-4000:].splitlines()))   # its last lines
 
 
+def done_in(run_dirs: str) -> set[str]:
+    """The tests that finished and did not fail in earlier runs of scripts/gpu_tests.sh: each of `run_dirs`
+    (space-separated) holds one run's running.txt (start / end lines, `pytest_runtest_logstart`) and failures.txt
+    (`pytest_runtest_logreport`). A test that started but never ended (the run's limit cut it) is not done."""
+    done, failed = set(), set()
+    for d in run_dirs.split():
+        for name, keep in (("running.txt", done), ("failures.txt", failed)):
+            try:
+                with open(os.path.join(d, name)) as f:
+                    lines = f.read().splitlines()
+            except FileNotFoundError:
+                continue
+            if name == "running.txt":
+                keep.update(ln.split("\t", 2)[2] for ln in lines if ln.startswith("end\t"))
+            else:
+                keep.update(ln[len("FAILED "):].rsplit(" (", 1)[0] for ln in lines if ln.startswith("FAILED "))
+    return done - failed
+
+
+def _skip_done(config, items) -> None:
+    """MCP_DONE_RUNS="dir ..." (gpu_tests.sh's REST): deselect what earlier runs finished (`done_in`), so that on a
+    machine where the suite needs several calls under a time limit (one H200: three of about 10 minutes) each call
+    runs only what the earlier calls cut off or failed."""
+    runs = os.environ.get("MCP_DONE_RUNS")
+    if not runs:
+        return
+    done = done_in(runs)
+    drop = [it for it in items if it.nodeid in done]
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = [it for it in items if it.nodeid not in done]
+
+
 def pytest_collection_modifyitems(config, items):
-    """MCP_LONG_TESTS=path ("seconds<TAB>test id" lines, scripts/test_long.tsv): the listed tests run first, longest
+    """MCP_DONE_RUNS: see `_skip_done`; then MCP_LONG_TESTS=path ("seconds<TAB>test id" lines, scripts/test_long.tsv): the listed tests run first, longest
     first, each followed by one unlisted test, the rest in collection order. xdist (`--maxschedchunk 1`) hands each
     worker two consecutive tests at the start and refills one or two at a time, so a long test right behind another
     waits for it on one worker: on 2 x H200 the two checkpoint-resume tests (about 160 s each) ran one after the
     other from 110 s into the shard and the second was cut off by its limit (2026-11-27 and -28). Replaying that
     shard's measured times through xdist's scheduling gives 330 s in this order against 435 s in file order."""
+    _skip_done(config, items)
     path = os.environ.get("MCP_LONG_TESTS")
     if not path:
         return

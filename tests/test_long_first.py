@@ -1,6 +1,6 @@
 """tests/conftest.py's MCP_LONG_TESTS ordering (scripts/gpu_tests.sh sets it): the listed tests are collected first,
 longest first, each followed by one unlisted test; without the variable (or with it empty: the same early return)
-the order is pytest's."""
+the order is pytest's. And MCP_DONE_RUNS (gpu_tests.sh's REST): what earlier runs finished is left out."""
 from __future__ import annotations
 
 import os
@@ -38,3 +38,22 @@ def test_the_shipped_list_is_well_formed():
     assert rows and all(len(r) == 2 and "::" in r[1] and (ROOT / r[1].split("::")[0]).exists() for r in rows)
     secs = [float(r[0]) for r in rows]
     assert secs == sorted(secs, reverse=True) and min(secs) >= 20
+
+
+def test_done_runs_leave_out_what_finished_and_keep_the_cut_and_the_failed(tmp_path):
+    ids = _collect({})
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    # run a: ids 0 and 1 finished, 2 failed, 3 started and was cut; run b: 4 finished
+    (a / "running.txt").write_text("".join(f"start\t1\t{ids[i]}\n" for i in range(4))
+                                   + "".join(f"end\t2\t{ids[i]}\n" for i in range(3)))
+    (a / "failures.txt").write_text(f"FAILED {ids[2]} (call)\n    E   assert 0\n")
+    (b / "running.txt").write_text(f"start\t1\t{ids[4]}\nend\t2\t{ids[4]}\n")
+    assert _collect({"MCP_DONE_RUNS": f"{a} {b}"}) == [ids[2], ids[3], ids[5]]
+    assert _collect({"MCP_DONE_RUNS": str(tmp_path / "none")}) == ids        # no logs there: nothing is done
+
+
+def test_rest_may_not_name_this_runs_out(tmp_path):
+    r = subprocess.run(["bash", "scripts/gpu_tests.sh"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, OUT=str(tmp_path), REST=str(tmp_path), TESTS="tests/test_none.py"))
+    assert r.returncode == 2 and "REST names OUT" in r.stderr, r.stderr[-2000:]
