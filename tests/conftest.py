@@ -65,12 +65,13 @@ def _skip_done(config, items) -> None:
 
 
 def pytest_collection_modifyitems(config, items):
-    """MCP_DONE_RUNS: see `_skip_done`; then MCP_LONG_TESTS=path ("seconds<TAB>test id" lines, scripts/test_long.tsv): the listed tests run first, longest
-    first, each followed by one unlisted test, the rest in collection order. xdist (`--maxschedchunk 1`) hands each
-    worker two consecutive tests at the start and refills one or two at a time, so a long test right behind another
-    waits for it on one worker: on 2 x H200 the two checkpoint-resume tests (about 160 s each) ran one after the
-    other from 110 s into the shard and the second was cut off by its limit (2026-11-27 and -28). Replaying that
-    shard's measured times through xdist's scheduling gives 330 s in this order against 435 s in file order."""
+    """MCP_DONE_RUNS: see `_skip_done`. Then MCP_LONG_TESTS=path ("seconds<TAB>test id" lines,
+    scripts/test_long.tsv): the listed tests run first, longest first, each followed by one unlisted test, the rest
+    in collection order. xdist (`--maxschedchunk 1`) hands each worker two consecutive tests at the start and
+    refills one or two at a time, so a long test right behind another waits for it on one worker: on 2 x H200 the
+    two checkpoint-resume tests (about 160 s each) ran one after the other from 110 s into the shard and the second
+    was cut off by its limit (2026-11-27 and -28). Replaying that shard's measured times through xdist's scheduling
+    gives 330 s in this order against 435 s in file order."""
     _skip_done(config, items)
     path = os.environ.get("MCP_LONG_TESTS")
     if not path:
