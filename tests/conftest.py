@@ -35,18 +35,18 @@ def done_in(run_dirs: str) -> set[str]:
     """The tests that finished and did not fail in earlier runs of scripts/gpu_tests.sh: each of `run_dirs`
     (space-separated) holds one run's running.txt (start / end lines, `pytest_runtest_logstart`) and failures.txt
     (`pytest_runtest_logreport`). A test that started but never ended (the run's limit cut it) is not done."""
+    def lines(d, name):
+        try:
+            with open(os.path.join(d, name)) as f:
+                return f.read().splitlines()
+        except FileNotFoundError:
+            return []
+
     done, failed = set(), set()
     for d in run_dirs.split():
-        for name, keep in (("running.txt", done), ("failures.txt", failed)):
-            try:
-                with open(os.path.join(d, name)) as f:
-                    lines = f.read().splitlines()
-            except FileNotFoundError:
-                continue
-            if name == "running.txt":
-                keep.update(ln.split("\t", 2)[2] for ln in lines if ln.startswith("end\t"))
-            else:
-                keep.update(ln[len("FAILED "):].rsplit(" (", 1)[0] for ln in lines if ln.startswith("FAILED "))
+        done.update(ln.split("\t", 2)[2] for ln in lines(d, "running.txt") if ln.startswith("end\t"))
+        failed.update(ln[len("FAILED "):].rsplit(" (", 1)[0] for ln in lines(d, "failures.txt")
+                      if ln.startswith("FAILED "))
     return done - failed
 
 
